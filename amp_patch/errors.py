@@ -1,0 +1,40 @@
+"""Exception classes of amp_patch.
+
+Every class subclasses both :class:`AmpPatchError` and the built-in exception a
+user would naturally catch (``ValueError`` for bad input, ``RuntimeError`` for
+misuse at run time), so ``except ValueError`` keeps working in legacy scripts.
+"""
+
+
+class AmpPatchError(Exception):
+    """Base class of every error amp_patch raises on purpose."""
+
+
+class OpListError(AmpPatchError, ValueError):
+    """A malformed op list. The message starts with ``path:line:``."""
+
+    def __init__(self, path, line, message, entry=None):
+        self.path = str(path)
+        self.line = line
+        self.entry = entry
+        super().__init__(f"{self.path}:{line if line is not None else '?'}: {message}")
+
+
+class ConfigError(AmpPatchError, ValueError):
+    """An invalid argument to ``initialize`` or another entry point."""
+
+
+class UsageError(AmpPatchError, RuntimeError):
+    """amp_patch used in the wrong order or on the wrong objects."""
+
+
+class BannedOpError(AmpPatchError, RuntimeError):
+    """A banned op (e.g. ``F.binary_cross_entropy`` in half) was called."""
+
+
+class CastError(AmpPatchError, RuntimeError):
+    """A cast amp_patch refuses to do (e.g. an fp32-only in-place op on a half tensor)."""
+
+
+class PatchError(AmpPatchError, RuntimeError):
+    """A patch site could not be installed or restored exactly."""

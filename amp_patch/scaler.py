@@ -1,0 +1,459 @@
+"""Loss scaling: one :class:`LossScaler` per loss id, plus gradient unscale helpers.
+
+Dynamic scaling (Apex's algorithm plus hysteresis and bounds): every overflow
+(non-finite grad) skips the step and resets the growth tracker; the hysteresis
+tracker counts down and, once at 0 (after ``hysteresis`` consecutive overflows,
+and on every further consecutive one), the scale is multiplied by
+``backoff_factor``, floored at ``min_loss_scale``. A clean step resets the
+hysteresis tracker; ``growth_interval`` consecutive clean steps multiply the
+scale by ``growth_factor``, capped at ``max_loss_scale``. A static scale never
+changes, but overflows still skip the step. ``update`` is pure Python on floats;
+the unscale helpers do at most one host sync per call.
+"""
+import difflib
+import logging
+import math
+import numbers
+import time
+from collections.abc import Mapping, MutableSequence
+
+import torch
+
+from amp_patch.errors import ConfigError, UsageError
+
+logger = logging.getLogger("amp_patch")
+
+#: Scales are kept inside [2**-126, 2**127] so that 1/scale is a normal fp32 number.
+SCALE_FLOOR = 2.0 ** -126
+SCALE_CEILING = 2.0 ** 127
+STATE_VERSION = 1
+KEY_PREFIX = "loss_scaler"
+
+_HYPER_KEYS = ("min_loss_scale", "max_loss_scale", "growth_factor", "backoff_factor",
+               "growth_interval", "hysteresis")
+_STATE_KEYS = frozenset(("loss_scale", "unskipped", "growth_tracker", "hysteresis_tracker", "dynamic",
+                         "steps", "skipped_steps", "version") + _HYPER_KEYS)
+_NO_KERNEL = set()  # device types where torch lacks _amp_foreach_non_finite_check_and_unscale_
+
+
+def _real(name, value, ok, expected, hint=""):
+    """Return ``float(value)`` if it is a real number passing ``ok``; else raise ConfigError."""
+    bad_type = isinstance(value, bool) or not isinstance(value, numbers.Real)
+    if bad_type or not ok(float(value)):
+        got = f", got {type(value).__name__}" if bad_type else ""
+        raise ConfigError(f"{name}={value!r} is not valid: expected {expected}{got}. {hint}".rstrip())
+    return float(value)
+
+
+def _scale_value(name, value, hint=""):
+    return _real(name, value, lambda x: SCALE_FLOOR <= x <= SCALE_CEILING,
+                 "a positive finite number between 2**-126 and 2**127", hint)
+
+
+def _count(name, value, minimum, hint=""):
+    return int(_real(name, value, lambda x: x.is_integer() and x >= minimum, f"an integer >= {minimum}", hint))
+
+
+def parse_loss_scale(value):
+    """Return ``None`` for ``"dynamic"`` (any case), else the static scale as a float.
+
+    Accepts a positive finite number or a float-like string such as ``"128.0"``.
+    """
+    hint = ("Pass loss_scale='dynamic' for dynamic loss scaling, or a static scale such as 128.0 "
+            "(a float-like string such as '128.0' also works).")
+    if not isinstance(value, str):
+        return _scale_value("loss_scale", value, hint)
+    if value.strip().lower() == "dynamic":
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        close = difflib.get_close_matches(value.strip().lower(), ["dynamic"], n=1, cutoff=0.6)
+        hint = "Did you mean loss_scale='dynamic'? " * bool(close) + hint
+        raise ConfigError(f"loss_scale={value!r} is not valid: expected 'dynamic' or a number. {hint}") from None
+    if not SCALE_FLOOR <= number <= SCALE_CEILING:
+        raise ConfigError(f"loss_scale={value!r} is not valid: expected a positive finite number between "
+                          f"2**-126 and 2**127. {hint}")
+    return number
+
+
+def check_hyperparameters(min_loss_scale, max_loss_scale, growth_factor, backoff_factor,
+                          growth_interval, hysteresis):
+    """Validate the dynamic-scaling knobs; return them normalised, keyed by name."""
+    swap = "Did you swap growth_factor and backoff_factor?"
+    hp = {"min_loss_scale": None if min_loss_scale is None else _scale_value(
+              "min_loss_scale", min_loss_scale, "Pass None for no floor, or e.g. 1.0."),
+          "max_loss_scale": _scale_value("max_loss_scale", max_loss_scale,
+                                         "The default is 2.**24; pass a larger finite value for a higher cap."),
+          "growth_factor": _real("growth_factor", growth_factor, lambda x: 1.0 < x < math.inf,
+                                 "a finite number > 1 (the default is 2.0)", swap),
+          "backoff_factor": _real("backoff_factor", backoff_factor, lambda x: 0.0 < x < 1.0,
+                                  "a number strictly between 0 and 1 (the default is 0.5)", swap),
+          "growth_interval": _count("growth_interval", growth_interval, 1, "The default is 2000."),
+          "hysteresis": _count("hysteresis", hysteresis, 1,
+                               "1 backs off on every overflow; 2 waits for two overflows in a row.")}
+    if hp["min_loss_scale"] is not None and hp["min_loss_scale"] > hp["max_loss_scale"]:
+        raise ConfigError(f"min_loss_scale={min_loss_scale!r} is greater than max_loss_scale={max_loss_scale!r}; "
+                          f"lower min_loss_scale or raise max_loss_scale.")
+    return hp
+
+
+def _check_tensor(where, tensor):
+    if tensor is not None and not isinstance(tensor, torch.Tensor):
+        raise UsageError(f"{where} is a {type(tensor).__name__}; expected a torch.Tensor or None.")
+
+
+def _group(tensors):
+    """Return ``{device: {dtype: [tensor, ...]}}`` of the distinct tensors (sparse: their values)."""
+    groups, seen = {}, set()
+    for tensor in tensors:
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if tensor.is_sparse:
+            tensor = tensor._values()
+        groups.setdefault(tensor.device, {}).setdefault(tensor.dtype, []).append(tensor)
+    return groups
+
+
+def _check_and_unscale_group(tensors, found, inv_tensor, inv_scale):
+    device_type = tensors[0].device.type
+    if device_type not in _NO_KERNEL:
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_tensor)
+            return
+        except NotImplementedError:
+            _NO_KERNEL.add(device_type)
+            logger.debug("no fused unscale kernel for %s tensors; using the foreach fallback", device_type)
+    flags = torch.stack([torch.logical_not(torch.isfinite(t)).any() for t in tensors])
+    found.add_(flags.any().to(found.dtype))
+    torch._foreach_mul_(tensors, inv_scale)
+
+
+def _unscale_groups(groups, scale):
+    """Unscale every tensor of ``groups`` in place; one host sync for the found-inf flag."""
+    inv_scale = 1.0 / scale
+    founds = []
+    for device, by_dtype in groups.items():
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        inv_tensor = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+        for tensors in by_dtype.values():
+            _check_and_unscale_group(tensors, found, inv_tensor, inv_scale)
+        founds.append(found)
+    if not founds:
+        return False
+    if len(founds) > 1:
+        first = founds[0].device
+        founds = [torch.cat([f.to(first) for f in founds]).sum()]
+    return bool(founds[0].item())
+
+
+def unscale_(grads, scale):
+    """Multiply each tensor of ``grads`` by ``1/scale`` in place; return True if any was inf/NaN.
+
+    ``None`` entries are skipped, a tensor listed twice is unscaled once, and
+    tensors may mix dtypes (fp16/bf16/fp32/fp64) and devices.
+    """
+    grads = list(grads)
+    for i, grad in enumerate(grads):
+        _check_tensor(f"grads[{i}]", grad)
+    return _unscale_groups(_group(g for g in grads if g is not None), float(scale))
+
+
+def _check_out(grads, out):
+    if len(out) != len(grads):
+        raise UsageError(f"out has {len(out)} entries but grads has {len(grads)}; pass one out slot per grad.")
+    for i, (grad, target) in enumerate(zip(grads, out)):
+        _check_tensor(f"grads[{i}]", grad)
+        _check_tensor(f"out[{i}]", target)
+        if grad is None:
+            continue
+        if target is None and not isinstance(out, MutableSequence):
+            raise UsageError(f"out[{i}] is None, so a new tensor must be stored there, but out is a "
+                             f"{type(out).__name__}; pass a list.")
+        if target is not None and target.shape != grad.shape:
+            raise UsageError(f"out[{i}] has shape {tuple(target.shape)} but grads[{i}] has shape "
+                             f"{tuple(grad.shape)}.")
+
+
+def unscale_into(grads, out, scale):
+    """Write ``grads[i].float() / scale`` into ``out[i]``; return True if any grad was inf/NaN.
+
+    ``out[i] is None``: a new fp32 tensor (on the grad's device) is stored in
+    ``out[i]`` (``out`` must then be a list). Otherwise the unscaled value is
+    *added* to the existing ``out[i]`` (gradient accumulation into fp32 master
+    grads). ``grads`` are left untouched; ``None`` grads leave ``out[i]`` as is.
+    The overflow check covers the new contributions only.
+    """
+    grads = list(grads)
+    _check_out(grads, out)
+    pending = [(i, g.detach().to(torch.float32, copy=True)) for i, g in enumerate(grads) if g is not None]
+    found = _unscale_groups(_group(tmp for _, tmp in pending), float(scale))
+    fused = {}
+    for i, tmp in pending:
+        target = out[i]
+        if target is None:
+            out[i] = tmp
+        elif target.device == tmp.device and not (target.is_sparse or tmp.is_sparse):
+            group = fused.setdefault(target.device, ([], []))
+            group[0].append(target)
+            group[1].append(tmp)
+        else:
+            target.add_(tmp.to(target.device))
+    for targets, tmps in fused.values():
+        torch._foreach_add_(targets, tmps)
+    return found
+
+
+class LossScaler:
+    """Loss scale state for one loss id.
+
+    ``loss_scale``: ``"dynamic"`` or a static number (float-like strings accepted).
+    A dynamic scaler starts at ``init_scale`` clamped into
+    ``[min_loss_scale, max_loss_scale]`` (Apex: ``min(2**16, max_loss_scale)``).
+    Overflow lines go to ``logging.getLogger("amp_patch")``, at most one per
+    ``log_interval`` seconds per scaler (0: every overflow), INFO for routine
+    dynamic back-offs, WARNING for a static scaler or a scale stuck at its floor.
+    The knobs are read-only after construction (``load_state_dict`` restores them).
+    Public state: ``loss_id``, ``scale``, ``dynamic``, ``hyperparameters``, and the
+    counters ``steps``, ``skipped_steps`` and ``last_overflow`` (set by :meth:`update`).
+    """
+
+    _clock = staticmethod(time.monotonic)
+
+    def __init__(self, loss_scale="dynamic", *, loss_id=0, init_scale=2.0 ** 16, min_loss_scale=None,
+                 max_loss_scale=2.0 ** 24, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                 hysteresis=1, log_interval=10.0):
+        static = parse_loss_scale(loss_scale)
+        self.loss_id = _count("loss_id", loss_id, 0, "Loss ids are 0, 1, ... num_losses - 1.")
+        hp = check_hyperparameters(min_loss_scale, max_loss_scale, growth_factor, backoff_factor,
+                                   growth_interval, hysteresis)
+        init = _scale_value("init_scale", init_scale, "The default is 2.**16.")
+        self._log_interval = _real("log_interval", log_interval, lambda x: 0.0 <= x < math.inf,
+                                   "a finite number of seconds >= 0", "0 logs every overflow.")
+        self._dynamic = static is None
+        self._set_hyperparameters(hp)
+        self._scale = self._clamp(init) if self._dynamic else static
+        self._growth_tracker = 0
+        self._hysteresis_tracker = self._hysteresis
+        self.steps = 0  # update() calls
+        self.skipped_steps = 0  # overflows; every overflow skips its step
+        self.last_overflow = False  # the latest update() saw an overflow
+        self._last_log_time = None
+        self._suppressed = 0
+
+    def _set_hyperparameters(self, hp):
+        self._hp = dict(hp)
+        self._min, self._max = hp["min_loss_scale"], hp["max_loss_scale"]
+        self._growth_factor, self._backoff_factor = hp["growth_factor"], hp["backoff_factor"]
+        self._growth_interval, self._hysteresis = hp["growth_interval"], hp["hysteresis"]
+
+    def _clamp(self, scale):
+        return min(max(scale, self._min if self._min is not None else SCALE_FLOOR), self._max)
+
+    @property
+    def dynamic(self):
+        """True for a dynamic scaler, False for a static one."""
+        return self._dynamic
+
+    @property
+    def scale(self):
+        """The current loss scale, a Python float (reading it never syncs a device)."""
+        return self._scale
+
+    @property
+    def hyperparameters(self):
+        """The dynamic-scaling knobs as a dict (min/max_loss_scale, factors, interval, hysteresis)."""
+        return dict(self._hp)
+
+    def __repr__(self):
+        kind = "dynamic" if self._dynamic else "static"
+        return (f"LossScaler(loss_id={self.loss_id}, {kind}, scale={self._scale!r}, "
+                f"steps={self.steps}, skipped_steps={self.skipped_steps})")
+
+    def unscale_grads(self, grads, out=None):
+        """Unscale ``grads`` by ``1/scale``; return True if any grad was inf/NaN.
+
+        Without ``out`` the grads are unscaled in place (:func:`unscale_`).
+        With ``out`` (a list as long as ``grads``, for O2 fp32 master grads) the
+        unscaled fp32 values are stored into / added to ``out`` (:func:`unscale_into`).
+        At most one host sync per call. Does not change the scaler's state:
+        pass the result to :meth:`update`.
+        """
+        if out is None:
+            return unscale_(grads, self._scale)
+        return unscale_into(grads, out, self._scale)
+
+    def update(self, found_inf):
+        """Advance the state machine after one unscale; return True if the step must be skipped."""
+        self.steps += 1
+        if not found_inf:
+            self.last_overflow = False
+            self._hysteresis_tracker = self._hysteresis
+            self._growth_tracker += 1
+            if self._dynamic and self._growth_tracker >= self._growth_interval:
+                self._scale = min(self._scale * self._growth_factor, self._max)
+                self._growth_tracker = 0
+            return False
+        self.last_overflow = True
+        self.skipped_steps += 1
+        self._growth_tracker = 0
+        old = self._scale
+        if self._dynamic:
+            self._hysteresis_tracker = max(self._hysteresis_tracker - 1, 0)
+            if self._hysteresis_tracker == 0:
+                floor = self._min if self._min is not None else SCALE_FLOOR
+                self._scale = max(old * self._backoff_factor, floor)
+        self._log_overflow(old)
+        return True
+
+    def _overflow_message(self, old):
+        head = f"Gradient overflow: skipping step, loss scaler {self.loss_id}"
+        if not self._dynamic:
+            return logging.WARNING, f"{head} keeping static loss scale {old!r}"
+        if self._scale != old:
+            return logging.INFO, f"{head} reducing loss scale from {old!r} to {self._scale!r}"
+        if self._hysteresis_tracker > 0:
+            return logging.INFO, (f"{head} keeping loss scale {old!r} (hysteresis: reduced after "
+                                  f"{self._hysteresis_tracker} more consecutive overflow(s))")
+        return logging.WARNING, f"{head} keeping loss scale {old!r} (already at min_loss_scale)"
+
+    def _log_overflow(self, old):
+        level, message = self._overflow_message(old)
+        if not logger.isEnabledFor(level):
+            return
+        now = self._clock()
+        if self._last_log_time is not None and now - self._last_log_time < self._log_interval:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            message += (f" ({self._suppressed} similar message(s) suppressed in the last "
+                        f"{now - self._last_log_time:.1f} s)")
+        logger.log(level, message)
+        self._last_log_time = now
+        self._suppressed = 0
+
+    def state_dict(self):
+        """Return the full state: Apex's ``loss_scale``/``unskipped`` plus amp_patch's keys."""
+        state = {"loss_scale": self._scale, "unskipped": self._growth_tracker,
+                 "growth_tracker": self._growth_tracker, "hysteresis_tracker": self._hysteresis_tracker,
+                 "dynamic": self._dynamic, "steps": self.steps, "skipped_steps": self.skipped_steps,
+                 "version": STATE_VERSION}
+        state.update(self.hyperparameters)
+        return state
+
+    def load_state_dict(self, state_dict):
+        """Restore a dict from :meth:`state_dict` or Apex's ``{"loss_scale", "unskipped"}``.
+
+        Saved knobs (factors, interval, bounds) replace this scaler's, as with
+        ``torch.amp.GradScaler``; keys absent from the dict keep their current
+        value. Nothing changes unless the whole dict is valid (ConfigError).
+        """
+        self._apply_state(self._parse_state(state_dict))
+
+    def _parse_state(self, sd):
+        where = f"loss scaler {self.loss_id} state dict"
+        _check_state_keys(sd, where)
+        if sd.get("version", STATE_VERSION) not in (1, 1.0):
+            raise ConfigError(f"{where}: version={sd['version']!r} is not supported (this amp_patch writes "
+                              f"version {STATE_VERSION}); it was saved by a newer amp_patch.")
+        if "dynamic" in sd and bool(sd["dynamic"]) != self._dynamic:
+            saved, here = ("dynamic", "static") if sd["dynamic"] else ("static", "dynamic")
+            raise ConfigError(f"{where}: the checkpoint was saved by a {saved} loss scaler but this session's "
+                              f"scaler is {here}; pass a matching loss_scale to initialize, or drop "
+                              f"'{KEY_PREFIX}{self.loss_id}' from the checkpoint to start fresh.")
+        try:
+            return self._parse_values(sd)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+    def _parse_values(self, sd):
+        hp = self.hyperparameters
+        hp.update((k, sd[k]) for k in _HYPER_KEYS if k in sd)
+        hp = check_hyperparameters(**hp)
+        new = {"hp": hp, "scale": _scale_value("loss_scale", sd["loss_scale"])}
+        trackers = [sd[k] for k in ("unskipped", "growth_tracker") if k in sd]
+        if len(trackers) == 2 and trackers[0] != trackers[1]:
+            raise ConfigError(f"unskipped={trackers[0]!r} and growth_tracker={trackers[1]!r} disagree; "
+                              f"they are the same counter.")
+        new["growth_tracker"] = _count("unskipped", trackers[0], 0) if trackers else 0
+        hyst = _count("hysteresis_tracker", sd.get("hysteresis_tracker", hp["hysteresis"]), 0)
+        if hyst > hp["hysteresis"]:
+            raise ConfigError(f"hysteresis_tracker={hyst} exceeds hysteresis={hp['hysteresis']}.")
+        new["hysteresis_tracker"] = hyst
+        new["steps"] = _count("steps", sd.get("steps", self.steps), 0)
+        new["skipped_steps"] = _count("skipped_steps", sd.get("skipped_steps", self.skipped_steps), 0)
+        return new
+
+    def _apply_state(self, new):
+        self._set_hyperparameters(new["hp"])
+        scale = new["scale"]
+        if self._dynamic and self._clamp(scale) != scale:
+            logger.warning("loss scaler %d: checkpoint loss scale %r lies outside [min_loss_scale, "
+                           "max_loss_scale]; using %r", self.loss_id, scale, self._clamp(scale))
+            scale = self._clamp(scale)
+        self._scale = scale
+        self._growth_tracker = new["growth_tracker"]
+        self._hysteresis_tracker = new["hysteresis_tracker"]
+        self.steps = new["steps"]
+        self.skipped_steps = new["skipped_steps"]
+        self.last_overflow = False
+
+
+def _check_state_keys(sd, where):
+    if not isinstance(sd, Mapping):
+        raise ConfigError(f"{where} must be a dict, got {type(sd).__name__}.")
+    for key in sd:
+        if key not in _STATE_KEYS:
+            hint = ""
+            if isinstance(key, str) and key.startswith(KEY_PREFIX):
+                hint = (" This looks like the dict of all loss scalers; load it with amp_patch.load_state_dict "
+                        "(or amp_patch.scaler.load_state_dict_into) instead.")
+            raise ConfigError(f"{where}: unknown key {key!r}; allowed keys: {', '.join(sorted(_STATE_KEYS))}.{hint}")
+    if "loss_scale" not in sd:
+        raise ConfigError(f"{where}: missing required key 'loss_scale' (keys present: "
+                          f"{', '.join(map(repr, sd)) or 'none'}).")
+
+
+def state_dict_for(scalers):
+    """Return ``{"loss_scaler0": ..., "loss_scaler1": ...}`` (Apex's layout) for ``scalers`` in order."""
+    return {f"{KEY_PREFIX}{i}": scaler.state_dict() for i, scaler in enumerate(scalers)}
+
+
+def _checkpoint_indices(sd, expected):
+    if not isinstance(sd, Mapping):
+        raise ConfigError(f"the amp state dict must be a dict, got {type(sd).__name__}.")
+    indices = {}
+    for key in sd:
+        suffix = key[len(KEY_PREFIX):] if isinstance(key, str) and key.startswith(KEY_PREFIX) else ""
+        if not (suffix.isdigit() and str(int(suffix)) == suffix):
+            hint = ""
+            if key in _STATE_KEYS:
+                hint = " This looks like a single loss scaler's state dict; wrap it as {'loss_scaler0': ...}."
+            raise ConfigError(f"unexpected key {key!r} in the amp state dict; expected {expected} "
+                              f"(one per loss, as written by amp_patch.state_dict()).{hint}")
+        indices[int(suffix)] = key
+    for i in range(len(indices)):
+        if i not in indices:
+            raise ConfigError(f"the amp state dict has keys {', '.join(sorted(map(repr, sd)))} but is missing "
+                              f"'{KEY_PREFIX}{i}'; loss scaler keys must be numbered 0, 1, 2, ...")
+    return indices
+
+
+def load_state_dict_into(scalers, sd):
+    """Load ``{"loss_scaler0": ..., ...}`` into ``scalers`` (in order), all or nothing.
+
+    Raises ConfigError for a non-dict, a key that is not ``loss_scalerN``, a gap
+    in the numbering, a count that differs from ``len(scalers)``, or any
+    invalid per-scaler dict (nothing is loaded then).
+    """
+    scalers = list(scalers)
+    n = len(scalers)
+    expected = f"keys '{KEY_PREFIX}0'..'{KEY_PREFIX}{n - 1}'" if n else "no loss scaler keys"
+    indices = _checkpoint_indices(sd, expected)
+    if len(indices) != n:
+        raise ConfigError(f"the checkpoint has {len(indices)} loss scaler(s) but this session has {n}; "
+                          f"pass num_losses={len(indices)} to initialize to match the checkpoint.")
+    parsed = [scaler._parse_state(sd[indices[i]]) for i, scaler in enumerate(scalers)]
+    for scaler, new in zip(scalers, parsed):
+        scaler._apply_state(new)

@@ -221,6 +221,9 @@ def test_out_mode_accumulates_into_existing():
     assert torch.equal(out[1], torch.tensor([1.0]))
     assert unscale_into([torch.tensor([1.0, INF], dtype=torch.float16), None], out, 4.0) is True
     assert unscale_into((torch.ones(2),), (existing,), 1.0) is False   # tuple fine when nothing is created
+    half_out = [torch.ones(2, dtype=torch.float16)]   # an existing out keeps its dtype
+    assert unscale_into([torch.full((2,), 4.0, dtype=torch.float16)], half_out, 4.0) is False
+    assert torch.equal(half_out[0], torch.full((2,), 2.0, dtype=torch.float16))
 
 
 def test_out_mode_misuse():

@@ -15,6 +15,7 @@ import collections.abc
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("expecttest")  # autocast_test_lists imports common_utils, which needs it
 
@@ -214,3 +215,51 @@ def test_every_registered_autocast_op_is_listed(list_name, dispatch_key):
                   for r in torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key)}
     missing = sorted(op for op in registered - _NO_PYTHON_BINDING if not (_candidate_entries(op) & listed))
     assert not missing, f"{list_name} lacks the aten ops {missing}"
+
+
+def _entry_point_cases():
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    target = torch.zeros(4, dtype=torch.long)
+    cell = torch.nn.LSTMCell(4, 5)
+    return {
+        # (op list, half dtype, call, expected dtype)
+        "cuda-LSTMCell-via-_VF": ("torch_cuda", torch.float16, lambda: cell(r(3, 4))[0], torch.float16),
+        "cuda-interpolate-via-_C._nn": ("torch_cuda", torch.float16,
+                                        lambda: F.interpolate(r(1, 2, 4, 4, dtype=torch.float16), scale_factor=2,
+                                                              mode="bilinear"), torch.float32),
+        "cuda-cross_entropy-composite": ("torch_cuda", torch.float16,
+                                         lambda: F.cross_entropy(r(4, 3, dtype=torch.float16), target), torch.float32),
+        "cuda-nll_loss": ("torch_cuda", torch.float16,
+                          lambda: F.nll_loss(r(4, 3, dtype=torch.float16), target), torch.float32),
+        "cuda-linalg.norm-composite": ("torch_cuda", torch.float16,
+                                       lambda: torch.linalg.norm(r(4, dtype=torch.float16)), torch.float32),
+        "cuda-Tensor.norm": ("torch_cuda", torch.float16, lambda: r(4, dtype=torch.float16).norm(), torch.float32),
+        "cuda-rmatmul": ("torch_cuda", torch.bfloat16, lambda: r(3, 3).__rmatmul__(r(3, 3)), torch.bfloat16),
+        "cuda-linalg.matmul-alias": ("torch_cuda", torch.bfloat16, lambda: torch.linalg.matmul(r(3, 3), r(3, 3)),
+                                     torch.bfloat16),
+        "cuda-cat-builtin-promote": ("torch_cuda", torch.float16,
+                                     lambda: torch.cat([r(2, dtype=torch.float16), r(2)]), torch.float32),
+        "cpu-cross_entropy": ("torch_cpu", torch.bfloat16,
+                              lambda: F.cross_entropy(r(4, 3, dtype=torch.bfloat16), target), torch.float32),
+        "cpu-nll_loss-composite": ("torch_cpu", torch.bfloat16,
+                                   lambda: F.nll_loss(r(4, 3, dtype=torch.bfloat16), target), torch.float32),
+        "cpu-Linear-module": ("torch_cpu", torch.bfloat16, lambda: torch.nn.Linear(4, 2)(r(3, 4)), torch.bfloat16),
+        "cpu-softmax-not-listed": ("torch_cpu", torch.bfloat16,
+                                   lambda: F.softmax(r(4, dtype=torch.bfloat16), 0), torch.bfloat16),
+        "cpu-fft": ("torch_cpu", torch.bfloat16, lambda: torch.fft.rfft(r(8, dtype=torch.bfloat16)).real,
+                    torch.float32),
+    }
+
+
+
+@pytest.mark.parametrize("name", sorted(_entry_point_cases()))
+def test_python_entry_points_follow_native_policy(name):
+    """Entry points other than the tables' own: modules, F wrappers, _VF, aliases and composites."""
+    op_lists, half_dtype, call, expected = _entry_point_cases()[name]
+    with amp_patch.autocast(op_lists=op_lists, half_dtype=half_dtype):
+        out = call()
+    assert out.dtype == expected

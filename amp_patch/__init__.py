@@ -1,0 +1,24 @@
+"""amp_patch: Apex-style automatic mixed precision for modern PyTorch.
+
+Importing this package does nothing but define functions: no YAML is read, no
+torch attribute is patched and no device is probed until ``initialize`` (or an
+``autocast()`` region) asks for it.
+"""
+from .errors import (AmpPatchError, BannedOpError, CastError, ConfigError, OpListError, PatchError,
+                     UsageError)
+from .oplist import OpEntry, OpTable, load_op_lists, shipped_names
+from .regions import autocast
+from .registry import (disable_casts, float_function, half_function, promote_function, register_float_function,
+                       register_half_function, register_promote_function)
+from .frontend import (clear_cache, deinitialize, initialize, last_step_skipped, load_state_dict, loss_scale,
+                       master_params, scale_loss, state_dict)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AmpPatchError", "BannedOpError", "CastError", "ConfigError", "OpListError", "PatchError", "UsageError",
+    "OpEntry", "OpTable", "load_op_lists", "shipped_names", "autocast", "disable_casts", "float_function",
+    "half_function", "promote_function", "register_float_function", "register_half_function",
+    "register_promote_function", "initialize", "deinitialize", "clear_cache", "scale_loss", "master_params",
+    "state_dict", "load_state_dict", "last_step_skipped", "loss_scale", "__version__",
+]

@@ -1,0 +1,104 @@
+"""Resolve op-list targets and names to torch objects, and decide what may be patched.
+
+Op lists may only name callables that torch itself defines, inside torch's own
+namespaces. This module answers "is ``torch.nn.functional.linear`` patchable?"
+with either the object or a message that says why not.
+"""
+import importlib
+import re
+import types
+
+import torch
+
+from .errors import ConfigError
+
+IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# Tensor dunders that are operators and may be wrapped; every other dunder
+# (__init__, __getattribute__, __torch_function__, ...) is off limits.
+_OPERATOR_DUNDERS = frozenset(
+    f"__{p}{op}__"
+    for op in ("add", "sub", "mul", "truediv", "floordiv", "div", "mod", "pow", "matmul",
+               "and", "or", "xor", "lshift", "rshift")
+    for p in ("", "r", "i")
+) | frozenset(f"__{op}__" for op in ("eq", "ne", "lt", "le", "gt", "ge", "neg", "pos", "abs", "invert"))
+
+KNOWN_TARGETS = ("torch", "torch.nn.functional", "torch.Tensor", "torch._C._nn", "torch.linalg",
+                 "torch.special", "torch.fft", "torch._C._linalg", "torch._C._special", "torch._VF",
+                 "torch.nn.modules.rnn._VF")
+
+
+def _is_torch_name(qualname):
+    return isinstance(qualname, str) and (qualname == "torch" or qualname.startswith("torch."))
+
+
+def resolve_target(target):
+    """Return the module or class named ``target`` (a dotted path inside torch).
+
+    Raises ``ConfigError`` with the reason when it is outside torch or not a namespace.
+    """
+    if not isinstance(target, str) or not all(IDENTIFIER.match(p) for p in target.split(".")):
+        raise ConfigError(f"target {target!r} is not a dotted name; use one of {', '.join(KNOWN_TARGETS)}")
+    if not _is_torch_name(target):
+        raise ConfigError(f"target {target!r} is outside torch's namespaces; only torch and names under "
+                          f"torch. may be patched (e.g. {', '.join(KNOWN_TARGETS[:4])})")
+    obj = torch
+    for i, part in enumerate(target.split(".")[1:], start=2):
+        nxt = getattr(obj, part, None)
+        if nxt is None:
+            try:
+                nxt = importlib.import_module(".".join(target.split(".")[:i]))
+            except ImportError:
+                raise ConfigError(f"target {target!r} does not exist in torch {torch.__version__}; "
+                                  f"known targets: {', '.join(KNOWN_TARGETS)}") from None
+        obj = nxt
+    _check_namespace(target, obj)
+    return obj
+
+
+def _check_namespace(target, obj):
+    if isinstance(obj, types.ModuleType):
+        owner_name = obj.__name__
+    elif isinstance(obj, type):
+        owner_name = obj.__module__
+    else:
+        raise ConfigError(f"target {target!r} is a {type(obj).__name__}, not a module or class")
+    if not _is_torch_name(owner_name):
+        raise ConfigError(f"target {target!r} resolves to {owner_name!r}, which is outside torch's namespaces")
+
+
+def _defined_by_torch(obj):
+    if _is_torch_name(getattr(obj, "__module__", None)):
+        return True
+    objclass = getattr(obj, "__objclass__", None)
+    return objclass is not None and _is_torch_name(getattr(objclass, "__module__", None))
+
+
+def lookup(owner, name):
+    """The attribute ``name`` of ``owner`` the way a call site sees it, or None."""
+    if isinstance(owner, type):
+        for klass in owner.__mro__:
+            if name in vars(klass):
+                return vars(klass)[name]
+        return None
+    return getattr(owner, name, None)
+
+
+def resolve_name(target, owner, name):
+    """Return the callable ``target.name`` or raise ``ConfigError`` saying why it cannot be patched."""
+    if not isinstance(name, str) or not IDENTIFIER.match(name):
+        raise ConfigError(f"{name!r} is not a valid op name (expected a plain identifier such as 'linear')")
+    if name.startswith("__") and name.endswith("__") and name not in _OPERATOR_DUNDERS:
+        raise ConfigError(f"{target}.{name} is not an operator dunder and may not be patched; allowed dunders "
+                          "are arithmetic/comparison operators such as __add__, __matmul__, __pow__, __eq__")
+    obj = lookup(owner, name)
+    if obj is None:
+        raise ConfigError(f"{target}.{name} does not exist in torch {torch.__version__}; check the spelling, "
+                          "or mark the entry 'optional: true' / 'min_torch: X.Y' if it is version-dependent")
+    if isinstance(obj, type) or isinstance(obj, types.ModuleType) or not callable(obj):
+        raise ConfigError(f"{target}.{name} is a {type(obj).__name__}, not a function; only functions and "
+                          "methods may be listed")
+    if not _defined_by_torch(obj):
+        raise ConfigError(f"{target}.{name} is {obj!r}, which torch does not define; only torch's own "
+                          "functions may be listed")
+    return obj

@@ -1,0 +1,278 @@
+"""Casting wrappers: what runs in place of a patched torch entry point.
+
+The hot path is built once per patch when the op list is applied: each wrapper
+is a plain Python closure (dynamo traces those; it silently skips
+``wrapt.FunctionWrapper``) with its caster bound as a local. Per call it does
+one thread-local read, one ``type()`` test per argument and a dtype test per
+tensor; the fp32 -> half cast of a weight is served from the cast cache.
+"""
+import functools
+import threading
+
+import torch
+
+from .errors import BannedOpError, CastError
+
+Tensor = torch.Tensor
+FP32 = torch.float32
+HALF_DTYPES = frozenset((torch.float16, torch.bfloat16))
+FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+_PLAIN_TYPES = frozenset((int, float, bool, complex, str, bytes, type(None), slice, type(Ellipsis), torch.dtype,
+                          torch.device, torch.Size, torch.layout, torch.memory_format))
+_promote_types = torch.promote_types
+
+
+class ThreadState(threading.local):
+    """Per-thread switch: ``disabled`` > 0 inside ``disable_casts()`` regions."""
+
+    disabled = 0
+
+
+def cast_tree(x, cast):
+    """Apply ``cast`` to every tensor in ``x``, looking inside lists, tuples and dicts."""
+    if isinstance(x, Tensor):
+        return cast(x)
+    if type(x) in _PLAIN_TYPES:
+        return x
+    if isinstance(x, (list, tuple)):
+        items = [cast_tree(v, cast) for v in x]
+        if hasattr(x, "_fields"):  # namedtuple
+            return type(x)(*items)
+        return type(x)(items) if type(x) in (list, tuple) else items
+    if isinstance(x, dict):
+        return {k: cast_tree(v, cast) for k, v in x.items()}
+    return x
+
+
+def cast_args(cast, args):
+    """Cast the tensors of a positional-argument tuple (fast path for plain tensors and scalars)."""
+    return [cast(a) if type(a) in _TENSOR_TYPES else (a if type(a) in _PLAIN_TYPES else cast_tree(a, cast))
+            for a in args]
+
+
+def cast_kwargs(cast, kwargs):
+    return {k: (cast(v) if type(v) in _TENSOR_TYPES else (v if type(v) in _PLAIN_TYPES else cast_tree(v, cast)))
+            for k, v in kwargs.items()}
+
+
+class CastCache:
+    """Per-iteration cache of fp32 leaf -> half casts.
+
+    Keyed by ``id`` of the source tensor; an entry holds the source (so the id
+    cannot be reused while cached), its ``_version`` at cast time, the grad mode
+    of the cast and the cast tensor. An entry made under ``no_grad`` never
+    serves a grad-mode call, and an in-place change of the source invalidates it.
+    """
+
+    def __init__(self):
+        self.entries = {}
+
+    def clear(self):
+        self.entries.clear()
+
+    def __len__(self):
+        return len(self.entries)
+
+
+def make_to_half(half_dtype, cache):
+    """The caster for ``half`` ops: fp32 (cached for leaves that require grad) and the other 16-bit dtype."""
+    other = next(iter(HALF_DTYPES - {half_dtype}))
+    entries = cache.entries
+    get = entries.get
+    grad_enabled = torch.is_grad_enabled
+
+    def to_half(t):
+        dt = t.dtype
+        if dt is FP32:
+            hit = get(id(t))
+            if hit is not None and hit[0] is t and hit[1] == t._version and (hit[2] or not grad_enabled()):
+                return hit[3]
+            out = t.to(dtype=half_dtype)
+            if t.requires_grad and t.is_leaf:
+                entries[id(t)] = (t, t._version, grad_enabled(), out)
+            return out
+        if dt is other:
+            return t.to(dtype=half_dtype)
+        return t
+
+    return to_half
+
+
+def to_float(t):
+    """The caster for ``float`` ops: float16/bfloat16 -> float32."""
+    if t.dtype in HALF_DTYPES:
+        return t.to(dtype=FP32)
+    return t
+
+
+@functools.lru_cache(maxsize=None)
+def caster_to(dtype):
+    """A caster that moves every floating tensor (other than ``dtype``) to ``dtype``."""
+
+    def cast(t):
+        dt = t.dtype
+        if dt is dtype or dt not in FLOAT_DTYPES:
+            return t
+        return t.to(dtype=dtype)
+
+    return cast
+
+
+def widest_dtype(tensors):
+    """The promoted floating dtype of ``tensors`` if they mix floating dtypes, else None."""
+    found = None
+    mixed = False
+    for t in tensors:
+        if isinstance(t, Tensor):
+            dt = t.dtype
+            if dt in FLOAT_DTYPES and dt is not found:
+                if found is not None:
+                    mixed = True
+                    dt = _promote_types(found, dt)
+                found = dt
+    return found if mixed else None
+
+
+def _finish(wrapper, original, entry):
+    functools.update_wrapper(wrapper, original)
+    wrapper.__wrapped__ = original
+    wrapper._amp_patch_entry = entry
+    return wrapper
+
+
+def half_wrapper(original, entry, ctx):
+    tls, to_half = ctx.tls, ctx.to_half
+
+    def wrapper(*args, **kwargs):
+        if tls.disabled:
+            return original(*args, **kwargs)
+        if kwargs:
+            return original(*cast_args(to_half, args), **cast_kwargs(to_half, kwargs))
+        return original(*cast_args(to_half, args))
+
+    return _finish(wrapper, original, entry)
+
+
+def float_wrapper(original, entry, ctx):
+    tls = ctx.tls
+
+    def wrapper(*args, **kwargs):
+        if tls.disabled:
+            return original(*args, **kwargs)
+        if kwargs:
+            return original(*cast_args(to_float, args), **cast_kwargs(to_float, kwargs))
+        return original(*cast_args(to_float, args))
+
+    return _finish(wrapper, original, entry)
+
+
+def promote_wrapper(original, entry, ctx):
+    tls = ctx.tls
+
+    def wrapper(*args, **kwargs):
+        if tls.disabled:
+            return original(*args, **kwargs)
+        widest = widest_dtype(args + tuple(kwargs.values()) if kwargs else args)
+        if widest is None:
+            return original(*args, **kwargs)
+        cast = caster_to(widest)
+        args = [cast(a) if isinstance(a, Tensor) else a for a in args]
+        if kwargs:
+            kwargs = {k: cast(v) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+        return original(*args, **kwargs)
+
+    return _finish(wrapper, original, entry)
+
+
+def sequence_promote_wrapper(original, entry, ctx):
+    tls = ctx.tls
+
+    def wrapper(*args, **kwargs):
+        if tls.disabled:
+            return original(*args, **kwargs)
+        if args:
+            seq, rest = args[0], args[1:]
+        else:
+            seq, rest = kwargs.pop("tensors", ()), ()
+        widest = widest_dtype(seq) if isinstance(seq, (list, tuple)) else None
+        if widest is not None:
+            cast = caster_to(widest)
+            seq = [cast(t) if isinstance(t, Tensor) else t for t in seq]
+        return original(seq, *rest, **kwargs)
+
+    return _finish(wrapper, original, entry)
+
+
+def inplace_wrapper(original, entry, ctx):
+    """In-place Tensor methods keep ``self``'s dtype: other args are cast to it."""
+    tls = ctx.tls
+    forbid_half_self = entry.category == "float"
+
+    def wrapper(self, *args, **kwargs):
+        if tls.disabled or not isinstance(self, Tensor):
+            return original(self, *args, **kwargs)
+        dt = self.dtype
+        if forbid_half_self and dt in HALF_DTYPES:
+            raise CastError(f"{entry.qualname} is in the float list ({entry.path}:{entry.line}) but self is {dt}: "
+                            "an in-place op cannot change self's dtype. Use the out-of-place form on a float32 "
+                            f"tensor (x = x.float().{entry.name.rstrip('_')}(...)), or remove {entry.name} from "
+                            "the op list's float category.")
+        if dt not in FLOAT_DTYPES:
+            return original(self, *args, **kwargs)
+        cast = caster_to(dt)
+        return original(self, *cast_args(cast, args), **cast_kwargs(cast, kwargs))
+
+    return _finish(wrapper, original, entry)
+
+
+def banned_wrapper(original, entry, ctx):
+    if ctx.allow_banned:
+        return float_wrapper(original, entry, ctx)
+    message = entry.message or ("{qualname} is banned under amp_patch. Pass allow_banned=True to run it in "
+                                "float32, or remove it from the op list's banned category.")
+    message = f"{message.replace('{qualname}', entry.qualname)} (banned by {entry.path}:{entry.line})"
+    tls = ctx.tls
+
+    def wrapper(*args, **kwargs):
+        if tls.disabled:
+            return original(*args, **kwargs)
+        raise BannedOpError(message)
+
+    return _finish(wrapper, original, entry)
+
+
+def is_inplace_name(name):
+    if name.startswith("__") and name.endswith("__"):
+        return name.startswith("__i") and name not in ("__invert__", "__index__", "__int__", "__init__")
+    return name.endswith("_") and not name.startswith("_")
+
+
+FACTORIES = {
+    "half": half_wrapper,
+    "float": float_wrapper,
+    "promote": promote_wrapper,
+    "sequence_promote": sequence_promote_wrapper,
+    "banned": banned_wrapper,
+}
+
+
+def make_wrapper(original, entry, ctx, *, method=False):
+    """Build the wrapper for ``entry`` (in-place Tensor methods get the dtype-keeping variant)."""
+    if method and entry.category != "banned" and is_inplace_name(entry.name):
+        return inplace_wrapper(original, entry, ctx)
+    return FACTORIES[entry.category](original, entry, ctx)
+
+
+def cast_call_args(category, ctx, args, kwargs):
+    """Cast ``args``/``kwargs`` the way a ``category`` wrapper of ``ctx`` would (for decorators; not the hot path)."""
+    if category == "half":
+        cast = ctx.to_half
+    elif category == "float":
+        cast = to_float
+    else:
+        widest = widest_dtype(tuple(args) + tuple(kwargs.values()))
+        if widest is None:
+            return args, kwargs
+        cast = caster_to(widest)
+    return cast_args(cast, args), cast_kwargs(cast, kwargs)

@@ -1,0 +1,71 @@
+"""The casting engine: turns an op table into installed wrappers, and back.
+
+One engine belongs to one session (or to one ``amp_patch.autocast()`` region
+when no session is active). It owns the patcher, the cast cache and the
+per-thread switch the wrappers read.
+"""
+import contextlib
+import logging
+
+import torch
+
+from ._resolve import resolve_target
+from .casting import CastCache, ThreadState, make_to_half, make_wrapper
+from .patcher import Patcher
+
+log = logging.getLogger("amp_patch")
+
+
+class CastingEngine:
+    """Installs the wrappers for an :class:`~amp_patch.oplist.OpTable` plus user registrations."""
+
+    def __init__(self, table, *, half_dtype=torch.float16, allow_banned=False, registrations=()):
+        self.table = table
+        self.half_dtype = half_dtype
+        self.allow_banned = allow_banned
+        self.registrations = tuple(registrations)
+        self.cache = CastCache()
+        self.tls = ThreadState()
+        self.to_half = make_to_half(half_dtype, self.cache)
+        self.patcher = Patcher()
+
+    @property
+    def installed(self):
+        return len(self.patcher) > 0
+
+    def install(self):
+        """Install one wrapper per entry (registrations override list entries of the same site)."""
+        registered = {(id(reg.owner), reg.entry.name) for reg in self.registrations}
+        owners = {}
+        try:
+            for entry in self.table.entries:
+                owner = owners.get(entry.target) or owners.setdefault(entry.target, resolve_target(entry.target))
+                if (id(owner), entry.name) not in registered:
+                    self._install_one(owner, entry)
+            for reg in self.registrations:
+                self._install_one(reg.owner, reg.entry)
+        except BaseException:
+            self.patcher.restore_all()
+            raise
+        log.debug("amp_patch installed %d wrappers (%s)", len(self.patcher), self.half_dtype)
+
+    def _install_one(self, owner, entry):
+        method = isinstance(owner, type)
+        self.patcher.install(owner, entry.name, lambda original: make_wrapper(original, entry, self, method=method))
+
+    def uninstall(self):
+        self.patcher.restore_all()
+        self.cache.clear()
+
+    def clear_cache(self):
+        self.cache.clear()
+
+    @contextlib.contextmanager
+    def disabled(self):
+        """Run the body with casting off in this thread (re-entrant, exception-safe)."""
+        tls = self.tls
+        tls.disabled += 1
+        try:
+            yield
+        finally:
+            tls.disabled -= 1

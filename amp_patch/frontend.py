@@ -1,0 +1,232 @@
+"""The Apex-compatible entry points: initialize, deinitialize, scale_loss, state and master params."""
+import contextlib
+import logging
+
+import torch
+
+from . import _state
+from .engine import CastingEngine
+from .errors import ConfigError, UsageError
+from .models import ModelPatch
+from .oplist import load_op_lists
+from .opt_levels import resolve
+from .optim_state import OptimizerState
+from .registry import REGISTRY
+from .scaler import LossScaler, load_state_dict_into, state_dict_for
+from .session import Session
+
+log = logging.getLogger("amp_patch")
+_WRAPPERS = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+
+
+def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
+               patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None, loss_scale=None,
+               cast_model_outputs=None, num_losses=1, verbosity=1, min_loss_scale=None, max_loss_scale=2.0 ** 24,
+               *, half_dtype=None, op_lists=None, allow_banned=False, growth_factor=2.0, backoff_factor=0.5,
+               growth_interval=2000, hysteresis=1, keep_fp32_modules=()):
+    """Set up mixed precision for ``models`` and ``optimizers`` (Apex's signature plus keyword-only extras).
+
+    Returns the models and optimizers in the structure they were passed (only
+    the models when no optimizers were given). See docs/usage.md.
+    """
+    _check_not_initialized()
+    model_list, models_is_list = _as_list(models, "models", torch.nn.Module)
+    opt_list, opts_is_list = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
+    if not enabled:
+        _state.activate(Session(enabled=False))
+        return _pack(models, optimizers)
+    _check_models(model_list)
+    props = resolve(opt_level, half_dtype=half_dtype, keep_fp32_modules=keep_fp32_modules,
+                    cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
+                    keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
+                    loss_scale=loss_scale, cast_model_outputs=cast_model_outputs)
+    session = Session(props)
+    try:
+        fp32_data = _prepare_models(session, model_list)
+        _attach_optimizers(session, opt_list, fp32_data)
+        _link_masters(session)
+        session.scalers = _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor,
+                                        backoff_factor, growth_interval, hysteresis)
+        _install_casting(session, op_lists, allow_banned)
+    except BaseException:
+        session.close()
+        raise
+    _state.activate(session, session.engine)
+    _log_configuration(props, verbosity)
+    return _pack(models, optimizers)
+
+
+def _check_not_initialized():
+    if _state.current() is not None:
+        raise UsageError("amp_patch.initialize() was already called; call amp_patch.deinitialize() before "
+                         "initializing again (initialize once, with every model and optimizer)")
+
+
+def _as_list(objs, what, kind):
+    if objs is None:
+        return [], False
+    is_list = isinstance(objs, (list, tuple))
+    items = list(objs) if is_list else [objs]
+    for obj in items:
+        if not isinstance(obj, kind):
+            raise ConfigError(f"{what} must be a {kind.__module__}.{kind.__qualname__} or a list of them; got "
+                              f"{type(obj).__name__}")
+    if len({id(o) for o in items}) != len(items):
+        raise ConfigError(f"the same object appears twice in {what}; pass each once")
+    return items, is_list
+
+
+def _pack(models, optimizers):
+    return models if optimizers is None else (models, optimizers)
+
+
+def _check_models(models):
+    for model in models:
+        if isinstance(model, _WRAPPERS):
+            raise UsageError(f"the model is already wrapped in {type(model).__name__}; call amp_patch.initialize() "
+                             f"on the bare model first, then wrap it: model = {type(model).__name__}(model, ...)")
+
+
+def _prepare_models(session, models):
+    """Cast models (O0/O2/O3) and their inputs/outputs; returns the fp32 data of params cast to half."""
+    props = session.props
+    fp32_data = {}
+    if props.cast_model_type is None:
+        return fp32_data
+    keep = props.keep_fp32_modules
+    if props.keep_batchnorm_fp32:
+        keep = keep + (torch.nn.modules.batchnorm._BatchNorm,)
+    for model in models:
+        patch = ModelPatch(model)
+        session.model_patches.append(patch)
+        fp32_data.update(patch.cast(props.cast_model_type, keep))
+        patch.cast_io(props.cast_model_type, props.cast_model_outputs or torch.float32, keep)
+    return fp32_data
+
+
+def _attach_optimizers(session, optimizers, fp32_data):
+    for opt in optimizers:
+        session.opt_states[id(opt)] = OptimizerState(opt, master_weights=session.props.master_weights,
+                                                     fp32_data=fp32_data)
+
+
+def _link_masters(session):
+    masters = {}
+    for state in session.opt_states.values():
+        masters.update(state.masters_by_model_param())
+    if masters:
+        for patch in session.model_patches:
+            patch.link_masters(masters)
+
+
+def _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor, backoff_factor,
+                  growth_interval, hysteresis):
+    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
+        raise ConfigError(f"num_losses={num_losses!r}; pass the number of losses you scale, a positive integer")
+    return [LossScaler(props.loss_scale, loss_id=i, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
+                       growth_factor=growth_factor, backoff_factor=backoff_factor,
+                       growth_interval=growth_interval, hysteresis=hysteresis) for i in range(num_losses)]
+
+
+def _install_casting(session, op_lists, allow_banned):
+    props = session.props
+    if not props.patch_torch_functions:
+        if op_lists is not None:
+            raise ConfigError(f"op_lists only apply when torch functions are patched (opt_level='O1'); "
+                              f"opt_level={props.opt_level!r} does not patch. Drop op_lists or use O1.")
+        return
+    table = load_op_lists(op_lists)
+    session.engine = CastingEngine(table, half_dtype=props.half_dtype, allow_banned=allow_banned,
+                                   registrations=REGISTRY.take())
+    session.engine.install()
+
+
+def _log_configuration(props, verbosity):
+    if verbosity:
+        log.info("amp_patch: opt_level %s, half dtype %s, cast_model_type %s, patch_torch_functions %s, "
+                 "keep_batchnorm_fp32 %s, master_weights %s, loss_scale %s", props.opt_level,
+                 props.half_dtype, props.cast_model_type, props.patch_torch_functions, props.keep_batchnorm_fp32,
+                 props.master_weights, props.loss_scale)
+
+
+def deinitialize():
+    """Undo ``initialize``: remove every patch and hook, restore models and optimizers. Safe to call twice."""
+    session = _state.current()
+    _state.deactivate()
+    if session is not None:
+        session.close()
+
+
+def _session(api):
+    session = _state.current()
+    if session is None:
+        raise UsageError(f"amp_patch.{api}() was called before amp_patch.initialize(); call "
+                         "model, optimizer = amp_patch.initialize(model, optimizer, opt_level=...) first")
+    return session
+
+
+@contextlib.contextmanager
+def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, delay_overflow_check=False):
+    """Yield ``loss.float() * scale``; on exit unscale grads, check for inf/NaN and update the loss's scaler.
+
+    ``model`` and ``delay_overflow_check`` are accepted for Apex compatibility and ignored.
+    """
+    session = _session("scale_loss")
+    if not session.enabled:
+        yield loss
+        return
+    scaler = session.scaler(loss_id)
+    opts, _ = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
+    states = [session.state_for(opt) for opt in opts]
+    for state in states:
+        state.before_backward(scaler)
+    yield loss.float() * scaler.scale
+    found_inf = False
+    for state in states:
+        found_inf |= state.after_backward(scaler, delay_unscale)
+    if not delay_unscale and scaler.update(found_inf):
+        for state in states:
+            state.skip_next = True
+    session.clear_cache()
+
+
+def clear_cache():
+    """Drop every cached half cast (scale_loss does this at the end of each iteration)."""
+    session = _state.current()
+    engine = _state.active_engine()
+    if session is not None:
+        session.clear_cache()
+    elif engine is not None:
+        engine.clear_cache()
+
+
+def master_params(optimizer):
+    """The fp32 params ``optimizer`` updates (the masters under O2): clip these after scale_loss."""
+    session = _session("master_params")
+    if not session.enabled:
+        return iter([p for g in optimizer.param_groups for p in g["params"]])
+    return session.state_for(optimizer).master_params()
+
+
+def last_step_skipped(optimizer):
+    """True when the optimizer's last ``step()`` was skipped because of an overflow."""
+    return _session("last_step_skipped").state_for(optimizer).last_skipped
+
+
+def loss_scale(loss_id=0):
+    """The current loss scale of ``loss_id`` (e.g. to unscale an autograd.grad gradient penalty)."""
+    session = _session("loss_scale")
+    return session.scaler(loss_id).scale if session.enabled else 1.0
+
+
+def state_dict():
+    """Every scaler's state: ``{"loss_scaler0": {...}, ...}`` (Apex's keys plus amp_patch's extras)."""
+    session = _session("state_dict")
+    return state_dict_for(session.scalers) if session.enabled else {}
+
+
+def load_state_dict(state):
+    """Restore the scalers from ``state_dict()`` output (Apex checkpoints load too)."""
+    session = _session("load_state_dict")
+    if session.enabled:
+        load_state_dict_into(session.scalers, state)

@@ -1,0 +1,182 @@
+"""Per-optimizer state: master weights, gradient unscaling and skipped steps.
+
+The user's optimizer keeps its class. amp_patch attaches only removable step
+pre/post hooks (the official extension points) and, under master weights,
+swaps the half model params in ``param_groups`` for fp32 masters, as Apex did.
+
+State machine per optimizer (per iteration)::
+
+    CLEAN --scale_loss(delay_unscale=True)--> SCALED(scaler) --scale_loss exit--> CLEAN (+overflow?)
+    CLEAN/SCALED --step()--> [skip if an overflow was seen since the last step] --> CLEAN
+
+A skipped step hides every gradient of the optimizer (sets it to None) for the
+duration of ``step()``, so no parameter and no optimizer state (momentum, Adam
+moments and step counts) changes, and LR schedulers still see a real call.
+"""
+import torch
+
+from .casting import HALF_DTYPES
+
+
+class OptimizerState:
+    """What amp_patch tracks for one optimizer passed to ``initialize``."""
+
+    def __init__(self, optimizer, *, master_weights, fp32_data=None):
+        self.optimizer = optimizer
+        self.master_weights = master_weights
+        self.pairs = []  # (model param, fp32 master)
+        self._master_of = {}
+        self._master_ids = set()
+        self.skip_next = False
+        self.last_skipped = False
+        self.pending_scaler = None  # grads currently scaled by this scaler (delay_unscale)
+        self.pending_inf = False
+        self.masters_stale = False
+        self._stash = {}
+        self._known_groups = 0
+        self._original_params = [list(g["params"]) for g in optimizer.param_groups]
+        self._sync_groups(fp32_data or {})
+        self._handles = [optimizer.register_step_pre_hook(self._pre_step),
+                         optimizer.register_step_post_hook(self._post_step)]
+
+    # -- master weights -------------------------------------------------------------------------
+    def _sync_groups(self, fp32_data=None):
+        """Give half params in (new) param groups an fp32 master; cheap when no group was added."""
+        groups = self.optimizer.param_groups
+        if not self.master_weights or len(groups) == self._known_groups:
+            return
+        for group in groups[self._known_groups:]:
+            params = group["params"]
+            for i, p in enumerate(params):
+                if p.dtype in HALF_DTYPES and id(p) not in self._master_of:
+                    params[i] = self._make_master(p, (fp32_data or {}).get(id(p)))
+        self._known_groups = len(groups)
+
+    def _make_master(self, param, data):
+        data = data if data is not None else param.detach().float()
+        master = torch.nn.Parameter(data, requires_grad=param.requires_grad)
+        state = self.optimizer.state
+        if param in state:
+            state[master] = state.pop(param)
+        self.pairs.append((param, master))
+        self._master_of[id(param)] = master
+        self._master_ids.add(id(master))
+        return master
+
+    def masters_by_model_param(self):
+        return dict(self._master_of)
+
+    def master_params(self):
+        self._sync_groups()
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    def _grad_params(self):
+        """Params whose .grad backward fills: model params (under masters, the half ones) and fp32 params."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in self._master_ids:
+                    yield p
+
+    # -- scale_loss protocol --------------------------------------------------------------------
+    def before_backward(self, scaler):
+        """Called on entering scale_loss: park already-unscaled grads so new scaled ones don't mix with them."""
+        self._sync_groups()
+        if self.pending_scaler is not None and self.pending_scaler is not scaler:
+            self.pending_inf |= self._unscale(self.pending_scaler)
+            self.pending_scaler = None
+        if self.pending_scaler is None:
+            for p in self._grad_params():
+                if p.grad is not None:
+                    self._stash[id(p)] = p.grad
+                    p.grad = None
+
+    def after_backward(self, scaler, delay_unscale):
+        """Called on leaving scale_loss: unscale (unless delayed) and return whether grads overflowed."""
+        if delay_unscale:
+            self.pending_scaler = scaler
+            return False
+        found = self._unscale(scaler) or self.pending_inf
+        self.pending_scaler, self.pending_inf = None, False
+        return found
+
+    def _unscale(self, scaler):
+        """grads/scale into their accumulators (stash or master grads); returns found_inf."""
+        grads, outs, sinks = [], [], []
+        for p in self._grad_params():
+            if p.grad is not None:
+                grads.append(p.grad)
+                outs.append(self._stash.pop(id(p), None))
+                sinks.append(p)
+        master_grads, master_outs, masters = [], [], []
+        for model_p, master in self.pairs:
+            if model_p.grad is not None:
+                master_grads.append(model_p.grad)
+                master_outs.append(None if self.masters_stale else master.grad)
+                masters.append((model_p, master))
+        self.masters_stale = False
+        found = self._unscale_into(scaler, grads, outs, sinks)
+        if master_grads:
+            found |= scaler.unscale_grads(master_grads, out=master_outs)
+            for (model_p, master), g in zip(masters, master_outs):
+                master.grad, model_p.grad = g, None
+        self._restore_stash()
+        return bool(found)
+
+    @staticmethod
+    def _unscale_into(scaler, grads, outs, sinks):
+        inplace = [g for g, o in zip(grads, outs) if o is None]
+        found = scaler.unscale_grads(inplace) if inplace else False
+        pairs = [(g, o, p) for g, o, p in zip(grads, outs, sinks) if o is not None]
+        if pairs:
+            accum = [o for _, o, _ in pairs]
+            found |= scaler.unscale_grads([g for g, _, _ in pairs], out=accum)
+            for (_, _, p), o in zip(pairs, accum):
+                p.grad = o
+        return found
+
+    def _restore_stash(self):
+        """Stashed grads whose param got no new grad go back unchanged."""
+        if self._stash:
+            for p in self._grad_params():
+                if id(p) in self._stash:
+                    p.grad = self._stash.pop(id(p))
+            self._stash.clear()
+
+    # -- step hooks -----------------------------------------------------------------------------
+    def _pre_step(self, optimizer, args, kwargs):
+        self._sync_groups()
+        if self.pending_scaler is not None:  # delay_unscale on the last backward: finish it now
+            scaler = self.pending_scaler
+            found = self.after_backward(scaler, False)
+            if scaler.update(found):
+                self.skip_next = True
+        self.last_skipped = self.skip_next
+        self.skip_next = False
+        if self.last_skipped:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            for model_p, _ in self.pairs:
+                model_p.grad = None
+
+    def _post_step(self, optimizer, args, kwargs):
+        if self.pairs and not self.last_skipped:
+            with torch.no_grad():
+                torch._foreach_copy_([p for p, _ in self.pairs], [m for _, m in self.pairs])
+        self.masters_stale = bool(self.pairs)
+
+    # -- teardown -------------------------------------------------------------------------------
+    def restore(self):
+        """Remove the hooks and put the model params back into param_groups (with the masters' state)."""
+        while self._handles:
+            self._handles.pop().remove()
+        state = self.optimizer.state
+        for param, master in self.pairs:
+            if master in state:
+                state[param] = state.pop(master)
+            if master.grad is not None:
+                param.grad = None
+        model_of = {id(m): p for p, m in self.pairs}
+        for group in self.optimizer.param_groups:
+            group["params"] = [model_of.get(id(p), p) for p in group["params"]]

@@ -1,0 +1,103 @@
+"""Exactly reversible attribute patches.
+
+A patch site is found the way ``wrapt.resolve_path`` finds one: on a class the
+owner is the first class in the MRO whose ``__dict__`` holds the name. We
+always install on the *target* (so ``torch.Tensor.softmax`` shadows the
+inherited ``torch._C.TensorBase.softmax``) and remember whether the name was
+the target's own attribute: undoing an inherited one means ``delattr``, undoing
+an own one means putting the exact original object back. Patches are undone in
+reverse order of installation.
+"""
+import dataclasses
+import logging
+
+from .errors import PatchError
+
+log = logging.getLogger("amp_patch")
+_MISSING = object()
+
+
+@dataclasses.dataclass
+class Patch:
+    """One installed patch: ``target.name`` was ``raw`` (own) or inherited, now ``replacement``."""
+
+    target: object
+    name: str
+    raw: object
+    own: bool
+    original: object
+    replacement: object
+
+
+def _own_raw(target, name):
+    """The raw attribute in ``target.__dict__`` (or _MISSING) and the value a caller sees."""
+    raw = vars(target).get(name, _MISSING)
+    if isinstance(target, type):
+        for klass in target.__mro__:
+            if name in vars(klass):
+                return raw, vars(klass)[name]
+        return raw, _MISSING
+    if raw is not _MISSING:
+        return raw, raw
+    return raw, getattr(target, name, _MISSING)
+
+
+class Patcher:
+    """An ordered set of patches that can be undone exactly, in reverse order."""
+
+    def __init__(self):
+        self._patches = []
+        self._sites = set()
+
+    def __len__(self):
+        return len(self._patches)
+
+    @property
+    def patches(self):
+        return tuple(self._patches)
+
+    def install(self, target, name, make_replacement):
+        """Replace ``target.name`` by ``make_replacement(original)``; returns the replacement."""
+        site = (id(target), name)
+        if site in self._sites:
+            raise PatchError(f"{_qualname(target)}.{name} is already patched by this session")
+        raw, original = _own_raw(target, name)
+        if original is _MISSING:
+            raise PatchError(f"{_qualname(target)}.{name} does not exist; nothing to patch")
+        replacement = make_replacement(original)
+        setattr(target, name, replacement)
+        self._patches.append(Patch(target, name, raw, raw is not _MISSING, original, replacement))
+        self._sites.add(site)
+        return replacement
+
+    def restore_all(self):
+        """Undo every patch, newest first. Returns the number restored."""
+        count = 0
+        failures = []
+        while self._patches:
+            patch = self._patches.pop()
+            self._sites.discard((id(patch.target), patch.name))
+            if not self._restore(patch):
+                failures.append(f"{_qualname(patch.target)}.{patch.name}")
+            count += 1
+        if failures:
+            log.warning("amp_patch left %d attribute(s) as someone else re-patched them after amp_patch: %s",
+                        len(failures), ", ".join(failures))
+        return count
+
+    @staticmethod
+    def _restore(patch):
+        current = vars(patch.target).get(patch.name, _MISSING)
+        if current is not patch.replacement:
+            return False
+        if patch.own:
+            setattr(patch.target, patch.name, patch.raw)
+        else:
+            delattr(patch.target, patch.name)
+        return True
+
+
+def _qualname(target):
+    if isinstance(target, type):
+        return f"{target.__module__}.{target.__qualname__}"
+    return getattr(target, "__name__", repr(target))

@@ -1,0 +1,53 @@
+"""The session: every piece of state one ``initialize`` call creates, and how to undo it."""
+import logging
+
+from .errors import UsageError
+
+log = logging.getLogger("amp_patch")
+
+
+class Session:
+    """One initialized amp_patch configuration (models, optimizers, scalers, casting engine)."""
+
+    def __init__(self, props=None, *, enabled=True):
+        self.props = props
+        self.enabled = enabled
+        self.engine = None
+        self.model_patches = []
+        self.opt_states = {}
+        self.scalers = []
+
+    def scaler(self, loss_id):
+        if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(self.scalers):
+            raise UsageError(f"loss_id={loss_id!r}, but initialize(num_losses={len(self.scalers)}) created loss "
+                             f"ids 0..{len(self.scalers) - 1}; pass num_losses={_suggest(loss_id, self.scalers)} "
+                             "to initialize or use an existing loss id")
+        return self.scalers[loss_id]
+
+    def state_for(self, optimizer):
+        state = self.opt_states.get(id(optimizer))
+        if state is None or state.optimizer is not optimizer:
+            raise UsageError(f"{type(optimizer).__name__} optimizer was not passed to amp_patch.initialize(); pass "
+                             "every optimizer whose gradients you scale: initialize(model, [opt1, opt2], ...)")
+        return state
+
+    def clear_cache(self):
+        if self.engine is not None:
+            self.engine.clear_cache()
+
+    def close(self):
+        """Undo everything, newest first: casting patches, optimizer changes, model changes."""
+        if self.engine is not None:
+            self.engine.uninstall()
+        masters = {}
+        for state in reversed(list(self.opt_states.values())):
+            masters.update(state.masters_by_model_param())
+            state.restore()
+        for patch in reversed(self.model_patches):
+            patch.restore(masters)
+        self.opt_states.clear()
+        self.model_patches.clear()
+
+
+def _suggest(loss_id, scalers):
+    return loss_id + 1 if isinstance(loss_id, int) and loss_id >= len(scalers) else len(scalers)

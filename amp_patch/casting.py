@@ -81,10 +81,13 @@ def make_to_half(half_dtype, cache):
     entries = cache.entries
     get = entries.get
     grad_enabled = torch.is_grad_enabled
+    compiling = torch.compiler.is_compiling
 
     def to_half(t):
         dt = t.dtype
         if dt is FP32:
+            if compiling():  # dynamo: no data-dependent cache checks in the graph; the compiled graph casts once
+                return t.to(dtype=half_dtype)
             hit = get(id(t))
             if hit is not None and hit[0] is t and hit[1] == t._version and (hit[2] or not grad_enabled()):
                 return hit[3]

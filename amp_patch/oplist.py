@@ -164,6 +164,7 @@ def _as_map(mapping):
     for key, value in mapping.items():
         out[key] = _as_map(value) if isinstance(value, Mapping) else (
             _as_seq(value) if isinstance(value, (list, tuple)) else value)
+        out.key_lines[key] = None
     return out
 
 

@@ -1,0 +1,153 @@
+"""Casting rules of each category, driven by small op-list mappings (fp16 and bf16)."""
+import collections
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import amp_patch
+
+HALVES = [torch.float16, torch.bfloat16]
+LIST = {
+    "half": {"torch": ["mm", "addmm", "cat"], "torch.Tensor": ["mm", "addmm_"], "torch.nn.functional": ["linear"]},
+    "float": {"torch": ["exp"], "torch.Tensor": ["exp_", "exp"]},
+    "promote": {"torch": ["add", "atan2"], "torch.Tensor": ["add_", "__add__", "__iadd__"]},
+    "sequence_promote": {"torch": ["stack"]},
+}
+
+
+@pytest.fixture(params=HALVES, ids=["fp16", "bf16"])
+def half(request):
+    with amp_patch.autocast(half_dtype=request.param, op_lists=LIST):
+        yield request.param
+
+
+def test_half_casts_fp32_and_the_other_16bit_dtype(half):
+    other = torch.bfloat16 if half is torch.float16 else torch.float16
+    a = torch.randn(2, 2)
+    assert torch.mm(a, a).dtype is half
+    assert torch.mm(a.to(other), a).dtype is half
+    assert a.mm(a).dtype is half
+
+
+def test_half_leaves_fp64_ints_and_non_tensors_alone(half):
+    d = torch.randn(2, 2, dtype=torch.float64)
+    assert torch.mm(d, d).dtype is torch.float64
+    i = torch.ones(2, 2, dtype=torch.int64)
+    assert torch.mm(i, i).dtype is torch.int64
+    a = torch.randn(2, 2)
+    assert torch.addmm(a, a, a, beta=0.5, alpha=2).dtype is half
+
+
+def test_half_casts_inside_lists_tuples_and_kwargs(half):
+    a = torch.randn(2, 2)
+    assert torch.cat([a, a]).dtype is half
+    assert torch.cat((a, a.double()), dim=0).dtype is torch.float64  # fp64 untouched -> torch promotes
+    assert F.linear(input=a, weight=a, bias=torch.randn(2)).dtype is half
+
+
+def test_cast_tree_keeps_container_types():
+    from amp_patch.casting import cast_tree
+
+    Pair = collections.namedtuple("Pair", "x y")
+    cast = lambda t: t.half()  # noqa: E731
+    out = cast_tree({"a": [torch.ones(1), (torch.ones(1), 3)], "p": Pair(torch.ones(1), None)}, cast)
+    assert out["a"][0].dtype is torch.float16 and out["a"][1][0].dtype is torch.float16 and out["a"][1][1] == 3
+    assert isinstance(out["p"], Pair) and out["p"].x.dtype is torch.float16 and out["p"].y is None
+
+
+def test_float_casts_both_16bit_dtypes_to_fp32(half):
+    assert torch.exp(torch.randn(3).to(half)).dtype is torch.float32
+    assert torch.randn(3).to(half).exp().dtype is torch.float32
+    assert torch.exp(torch.randn(3, dtype=torch.float64)).dtype is torch.float64
+
+
+@pytest.mark.parametrize("a,b,expected", [
+    (torch.float16, torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32, torch.float32),
+    (torch.float16, torch.bfloat16, torch.float32),  # native autocast raises here
+    (torch.float16, torch.float64, torch.float64),
+    (torch.float16, torch.float16, torch.float16),
+])
+def test_promote_runs_in_the_widest_dtype(a, b, expected):
+    with amp_patch.autocast(op_lists=LIST):
+        x, y = torch.randn(3).to(a), torch.randn(3).to(b)
+        assert torch.atan2(x, y).dtype is expected
+        assert torch.add(x, y).dtype is expected
+        assert torch.stack([x, y]).dtype is expected
+        assert torch.stack(tensors=[x, y]).dtype is expected
+
+
+def test_promote_beats_zero_dim_type_promotion(half):
+    vec, scalar = torch.randn(3).to(half), torch.tensor(2.0)
+    assert (vec + scalar).dtype is torch.float32  # plain torch would keep half for a 0-dim fp32 operand
+    assert torch.add(vec, 1.5).dtype is half  # python scalars are not tensors: no promotion
+
+
+def test_inplace_keeps_self_dtype(half):
+    h = torch.randn(3).to(half)
+    h.add_(torch.randn(3))
+    assert h.dtype is half
+    h += torch.randn(3)
+    assert h.dtype is half
+    f = torch.randn(2, 2)
+    f.addmm_(torch.randn(2, 2).to(half), torch.randn(2, 2).to(half))
+    assert f.dtype is torch.float32
+
+
+def test_float_inplace_on_half_self_raises(half):
+    with pytest.raises(amp_patch.CastError, match="exp_.*float list.*self is"):
+        torch.randn(3).to(half).exp_()
+    assert torch.randn(3).exp_().dtype is torch.float32
+
+
+def test_values_equal_cast_then_call(half):
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    assert torch.equal(torch.mm(a, b), torch.mm(a.to(half), b.to(half)))
+
+
+def test_disable_casts_is_reentrant_and_exception_safe(half):
+    a = torch.randn(2, 2)
+    with amp_patch.disable_casts():
+        with amp_patch.disable_casts():
+            assert torch.mm(a, a).dtype is torch.float32
+        assert torch.mm(a, a).dtype is torch.float32
+    with pytest.raises(ZeroDivisionError):
+        with amp_patch.disable_casts():
+            1 / 0
+    assert torch.mm(a, a).dtype is half
+
+
+def test_autocast_enabled_false_inside_region_and_decorator():
+    a = torch.randn(2, 2)
+
+    @amp_patch.autocast(op_lists=LIST)
+    def run():
+        with amp_patch.autocast(enabled=False):
+            inner = torch.mm(a, a).dtype
+        return torch.mm(a, a).dtype, inner
+
+    assert run() == (torch.float16, torch.float32)
+    assert torch.mm(a, a).dtype is torch.float32  # region closed: patches gone
+
+
+def test_disable_casts_is_per_thread(half):
+    import threading
+
+    a = torch.randn(2, 2)
+    seen = {}
+    ready, done = threading.Event(), threading.Event()
+
+    def other():
+        ready.wait()
+        seen["other"] = torch.mm(a, a).dtype
+        done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with amp_patch.disable_casts():
+        ready.set()
+        done.wait(10)
+        seen["here"] = torch.mm(a, a).dtype
+    thread.join()
+    assert seen == {"other": half, "here": torch.float32}

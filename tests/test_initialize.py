@@ -1,0 +1,184 @@
+"""initialize(): Apex's opt-level defaults and override rules, return structure, misuse errors."""
+import warnings
+
+import pytest
+import torch
+
+import amp_patch
+from amp_patch import ConfigError, UsageError
+
+
+def _model():
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+
+
+def _opt(model, cls=torch.optim.SGD):
+    return cls(model.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("level,param_dtypes,bn_dtype,out_dtype,scale", [
+    ("O0", {torch.float32}, torch.float32, torch.float32, 1.0),
+    ("O1", {torch.float32}, torch.float32, torch.float16, 65536.0),
+    ("O2", {torch.float16, torch.float32}, torch.float32, torch.float32, 65536.0),
+    ("O3", {torch.float16}, torch.float16, torch.float32, 1.0),
+])
+def test_opt_level_documented_behaviour(level, param_dtypes, bn_dtype, out_dtype, scale):
+    model = _model()
+    opt = _opt(model)
+    model, opt = amp_patch.initialize(model, opt, opt_level=level, verbosity=0)
+    assert {p.dtype for p in model.parameters()} == param_dtypes
+    assert model[1].weight.dtype is bn_dtype and model[1].running_mean.dtype is bn_dtype
+    assert model(torch.randn(3, 4)).dtype is out_dtype
+    assert amp_patch.loss_scale() == scale
+    masters = list(amp_patch.master_params(opt))
+    assert all(p.dtype is torch.float32 for p in masters) == (level != "O3")
+    if level == "O2":
+        assert model[0].weight not in {id(p) for p in masters}
+        assert all(m is not model[0].weight for m in masters)
+    amp_patch.deinitialize()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_returns_the_structure_it_was_given():
+    m1, m2 = _model(), _model()
+    o1 = _opt(m1)
+    assert amp_patch.initialize(m1, verbosity=0) is m1
+    amp_patch.deinitialize()
+    models, opts = amp_patch.initialize([m1, m2], [o1], verbosity=0)
+    assert isinstance(models, list) and models[0] is m1 and isinstance(opts, list) and opts[0] is o1
+    amp_patch.deinitialize()
+    model, opt = amp_patch.initialize(m1, o1, verbosity=0)
+    assert model is m1 and opt is o1 and isinstance(opt, torch.optim.SGD)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(opt_level="O1", master_weights=True), "master_weights"),
+    (dict(opt_level="O1", keep_batchnorm_fp32=True), "keep_batchnorm_fp32"),
+    (dict(opt_level="O1", cast_model_type=torch.float16), "cast_model_type.*O2"),
+    (dict(opt_level="O2", patch_torch_functions=True), "patch_torch_functions.*O1"),
+    (dict(opt_level="O3", patch_torch_functions=True), "patch_torch_functions"),
+    (dict(opt_level="01"), "digit zero.*\"O1\""),
+    (dict(opt_level="o2"), "case-sensitive.*'O2'"),
+    (dict(opt_level="O4"), "allowed: O0, O1, O2, O3"),
+    (dict(loss_scale="dyanmic"), "dynamic"),
+    (dict(loss_scale=-1), "positive"),
+    (dict(keep_batchnorm_fp32="yes", opt_level="O2"), "True"),
+    (dict(half_dtype=torch.float64), "half_dtype"),
+    (dict(num_losses=0), "num_losses"),
+    (dict(opt_level="O2", op_lists="apex"), "op_lists only apply"),
+    (dict(op_lists="apx"), "no shipped op list.*apex"),
+    (dict(keep_fp32_modules=[int]), "nn.Module subclasses"),
+])
+def test_rejected_configurations_say_why(kwargs, match):
+    model = _model()
+    with pytest.raises(ConfigError, match=match):
+        amp_patch.initialize(model, _opt(model), **{"verbosity": 0, **kwargs})
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_accepted_string_overrides():
+    model = _model()
+    amp_patch.initialize(model, _opt(model), opt_level="O2", keep_batchnorm_fp32="False", loss_scale="128.0",
+                         verbosity=0)
+    assert model[1].weight.dtype is torch.float16 and amp_patch.loss_scale() == 128.0
+
+
+def test_bfloat16_defaults_to_no_scaling_but_still_skips():
+    model = torch.nn.Linear(2, 1)
+    opt = _opt(model)
+    amp_patch.initialize(model, opt, half_dtype=torch.bfloat16, verbosity=0)
+    assert amp_patch.loss_scale() == 1.0
+    before = model.weight.detach().clone()
+    loss = model(torch.tensor([[float("inf"), 1.0]])).float().sum()
+    with amp_patch.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert amp_patch.last_step_skipped(opt) and torch.equal(model.weight, before)
+
+
+def test_enabled_false_is_a_no_op_everywhere():
+    model = _model()
+    opt = _opt(model)
+    assert amp_patch.initialize(model, opt, enabled=False) == (model, opt)
+    out = model(torch.randn(3, 4))
+    assert out.dtype is torch.float32
+    loss = out.sum()
+    with amp_patch.scale_loss(loss, opt) as scaled:
+        assert scaled is loss
+        scaled.backward()
+    assert amp_patch.state_dict() == {} and amp_patch.loss_scale() == 1.0
+
+
+def test_misuse_errors():
+    model = _model()
+    opt = _opt(model)
+    loss = torch.ones((), requires_grad=True)
+    with pytest.raises(UsageError, match="before amp_patch.initialize"):
+        with amp_patch.scale_loss(loss, opt):
+            pass
+    with pytest.raises(UsageError, match="wrap it: model = DataParallel"):
+        amp_patch.initialize(torch.nn.DataParallel(model), verbosity=0)
+    amp_patch.initialize(model, opt, verbosity=0)
+    with pytest.raises(UsageError, match="already called.*deinitialize"):
+        amp_patch.initialize(model, opt, verbosity=0)
+    with pytest.raises(UsageError, match="loss_id=1.*num_losses=2"):
+        with amp_patch.scale_loss(loss, opt, loss_id=1):
+            pass
+    other = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1)
+    with pytest.raises(UsageError, match="was not passed to amp_patch.initialize"):
+        with amp_patch.scale_loss(loss, other):
+            pass
+    with pytest.raises(ConfigError, match="must be a torch.nn.modules.module.Module"):
+        amp_patch.deinitialize()
+        amp_patch.initialize("model")
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("scheduler_first", [True, False])
+def test_lr_scheduler_no_spurious_warning_even_after_a_skipped_step(level, scheduler_first):
+    model = torch.nn.Linear(2, 1)
+    opt = _opt(model)
+    if scheduler_first:
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    model, opt = amp_patch.initialize(model, opt, opt_level=level, verbosity=0)
+    if not scheduler_first:
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x in (float("inf"), 1.0):  # the first step overflows and is skipped
+            loss = model(torch.tensor([[x, 1.0]])).float().sum()
+            opt.zero_grad()
+            with amp_patch.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_optimizer_state_dict_round_trip(level):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = amp_patch.initialize(model, opt, opt_level=level, loss_scale=128.0, verbosity=0)
+    loss = model(torch.randn(4, 3)).float().pow(2).sum()
+    with amp_patch.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not amp_patch.last_step_skipped(opt)
+    sd = opt.state_dict()
+    assert set(sd) == {"state", "param_groups"} and sd["state"][0]["exp_avg"].dtype is torch.float32
+    fresh = torch.optim.Adam(model.parameters(), lr=1e-3)
+    fresh.load_state_dict(sd)
+    opt.load_state_dict(sd)
+    assert torch.equal(opt.state_dict()["state"][1]["exp_avg_sq"], sd["state"][1]["exp_avg_sq"])
+
+
+def test_import_does_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; before = dict(vars(torch.nn.functional)); import amp_patch; "
+            "assert dict(vars(torch.nn.functional)) == before; "
+            "assert not [m for m in sys.modules if m.startswith('yaml')], 'yaml imported'; "
+            "assert amp_patch._state.current() is None")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)

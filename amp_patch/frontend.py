@@ -4,7 +4,7 @@ import logging
 
 import torch
 
-from . import _state
+from . import _state, distributed
 from .engine import CastingEngine
 from .errors import ConfigError, UsageError
 from .models import ModelPatch
@@ -23,7 +23,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None, loss_scale=None,
                cast_model_outputs=None, num_losses=1, verbosity=1, min_loss_scale=None, max_loss_scale=2.0 ** 24,
                *, half_dtype=None, op_lists=None, allow_banned=False, growth_factor=2.0, backoff_factor=0.5,
-               growth_interval=2000, hysteresis=1, keep_fp32_modules=()):
+               growth_interval=2000, hysteresis=1, keep_fp32_modules=(), log_all_ranks=False):
     """Set up mixed precision for ``models`` and ``optimizers`` (Apex's signature plus keyword-only extras).
 
     Returns the models and optimizers in the structure they were passed (only
@@ -41,6 +41,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
                     loss_scale=loss_scale, cast_model_outputs=cast_model_outputs)
     session = Session(props)
+    session.undo.append(distributed.install_rank_filter(log_all_ranks))
     try:
         fp32_data = _prepare_models(session, model_list)
         _attach_optimizers(session, opt_list, fp32_data)
@@ -184,6 +185,8 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
     found_inf = False
     for state in states:
         found_inf |= state.after_backward(scaler, delay_unscale)
+    if not delay_unscale:
+        found_inf = distributed.agree_overflow(found_inf)
     if not delay_unscale and scaler.update(found_inf):
         for state in states:
             state.skip_next = True

@@ -15,6 +15,7 @@ moments and step counts) changes, and LR schedulers still see a real call.
 """
 import torch
 
+from . import distributed
 from .casting import HALF_DTYPES
 
 
@@ -148,7 +149,7 @@ class OptimizerState:
         self._sync_groups()
         if self.pending_scaler is not None:  # delay_unscale on the last backward: finish it now
             scaler = self.pending_scaler
-            found = self.after_backward(scaler, False)
+            found = distributed.agree_overflow(self.after_backward(scaler, False))
             if scaler.update(found):
                 self.skip_next = True
         self.last_skipped = self.skip_next

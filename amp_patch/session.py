@@ -16,6 +16,7 @@ class Session:
         self.model_patches = []
         self.opt_states = {}
         self.scalers = []
+        self.undo = []  # extra callables run (newest first) by close()
 
     def scaler(self, loss_id):
         if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(self.scalers):
@@ -47,6 +48,8 @@ class Session:
             patch.restore(masters)
         self.opt_states.clear()
         self.model_patches.clear()
+        while self.undo:
+            self.undo.pop()()
 
 
 def _suggest(loss_id, scalers):

@@ -1,0 +1,107 @@
+"""``compare`` (one job, Python API) and ``run_experiment`` (several jobs, what the CLI calls)."""
+import logging
+import pickle
+
+import torch
+
+from .. import _state
+from ..errors import ConfigError, UsageError
+from .models import Job, as_job
+from .report import Progress, markdown, summarize, write_json, write_png
+from .runner import Config, job_from_ref, run_isolated, run_variant
+from .variants import VARIANTS, parse_variants
+
+log = logging.getLogger("amp_patch")
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def compare(model_fn, optimizer_fn, data_fn, loss_fn, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat16,
+            device="cpu", seed=0, out_dir=None, isolate=True, batch_size=32, name="job", progress=True):
+    """Train the same job under each variant (fp32/O0, O1, O2, O3, native autocast) and report.
+
+    Each variant runs in its own spawned process (``isolate=True``; the four callables must then be
+    importable module-level functions) or, with ``isolate=False``, one after the other in this process.
+    See :mod:`amp_patch.experiment.models` for the callables' signatures. Returns the report dict (what
+    the JSON file holds for this job); with ``out_dir`` also writes ``experiment.json`` and, when
+    matplotlib is installed, ``experiment.png`` there.
+    """
+    job = as_job(Job(model_fn, optimizer_fn, data_fn, loss_fn, batch_size=batch_size, name=name))
+    return run_experiment([job], variants=variants, steps=steps, half_dtype=half_dtype, device=device, seed=seed,
+                          out_dir=out_dir, isolate=isolate, progress=progress)[0]
+
+
+def run_experiment(jobs, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat16, device="cpu", seed=0,
+                   out_dir=None, isolate=True, progress=True):
+    """Run every job (a :class:`Job` or a ``module:function`` string) under every variant; a list of reports."""
+    config = make_config(steps, half_dtype, device, seed)
+    variants = parse_variants(variants)
+    refs = [_check_ref(ref, isolate) for ref in jobs]
+    if not isolate and _state.current() is not None:
+        raise UsageError("an amp_patch session is active; call amp_patch.deinitialize() before running an "
+                         "in-process experiment (or pass isolate=True)")
+    bar = Progress(len(refs) * len(variants), config.steps, enabled=progress)
+    try:
+        reports = [_run_job(ref, variants, config, isolate, bar) for ref in refs]
+    finally:
+        bar.close()
+    if out_dir is not None:
+        write_json(reports, out_dir)
+        write_png(reports, out_dir)
+    return reports
+
+
+def make_config(steps, half_dtype, device, seed):
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"steps={steps!r}; pass a positive integer")
+    half_dtype = _DTYPES.get(half_dtype, half_dtype)
+    if half_dtype not in (torch.float16, torch.bfloat16):
+        raise ConfigError(f"half_dtype={half_dtype!r}; allowed: torch.float16, torch.bfloat16")
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device={device!r}; allowed: 'cpu', 'cuda' ({exc})") from None
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device!r}; allowed: 'cpu', 'cuda'")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r}, but torch.cuda.is_available() is False on this machine "
+                          f"(torch {torch.__version__}); use device='cpu'")
+    return Config(steps=steps, half_dtype=half_dtype, device=str(device), seed=int(seed))
+
+
+def _check_ref(ref, isolate):
+    if isinstance(ref, str):
+        return ref
+    job = as_job(ref)
+    if isolate:
+        try:
+            pickle.dumps(job)
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            raise ConfigError(f"job {job.name!r} cannot be sent to a variant process ({exc}); with isolate=True "
+                              "model_fn, optimizer_fn, data_fn and loss_fn must be importable module-level "
+                              "functions (no lambdas or closures). Pass isolate=False to run in-process.") from None
+    return job
+
+
+def _job_name(ref):
+    return ref.name if isinstance(ref, Job) else str(ref).rsplit(":", 1)[-1]
+
+
+def _run_job(ref, variants, config, isolate, bar):
+    name = _job_name(ref)
+    results = {}
+    for variant in variants:
+        bar.start(f"{name} {variant}")
+        if isolate:
+            result = run_isolated(ref, variant, config, on_step=bar.step)
+        else:
+            result = run_variant(job_from_ref(ref), variant, config, on_step=bar.step)
+        bar.end_run(result["status"])
+        if result["status"] != "ok":
+            log.info("amp_patch experiment: %s %s %s: %s", name, variant, result["status"], result["error"])
+        results[variant] = result
+    return summarize(name, config, results, isolate)
+
+
+def format_reports(reports):
+    """The markdown the CLI prints: one section per job."""
+    return "\n\n".join(markdown(r) for r in reports)

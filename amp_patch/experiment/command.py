@@ -1,0 +1,72 @@
+"""The ``amp-patch experiment`` subcommand (``amp_patch.cli`` calls ``add_parser``)."""
+import argparse
+import importlib.util
+import os
+import sys
+
+from ..errors import AmpPatchError
+from .api import format_reports, run_experiment
+from .models import BUILTIN, builtin_spec, load_job
+from .report import JSON_NAME, PNG_NAME
+from .variants import VARIANTS
+
+_EPILOG = """\
+A --job function takes no arguments and returns a dict (or object) with model_fn(), optimizer_fn(model),
+data_fn() (a Dataset or a tuple of tensors; items are (input, ..., target)) and loss_fn(output, target),
+optionally batch_size and name; the callables must be module-level. Exit status: 0 when every variant ran
+(a diverging variant is a result, not an error), 1 when a variant failed, 2 on bad arguments."""
+
+
+def add_parser(subparsers):
+    """Add the ``experiment`` subcommand to an argparse ``subparsers`` object; returns its parser."""
+    parser = subparsers.add_parser(
+        "experiment", help="compare fp32, O1, O2, O3 and native autocast on a training job",
+        description="Train the same job under fp32 (O0), O1, O2, O3 and native torch.autocast, each in its own "
+                    "process with the same seed and data, and report step time, memory, loss, loss scale and "
+                    "casts per variant (markdown on stdout, JSON and PNG in --out).",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job", metavar="MODULE:FUNCTION", help="your own job (see below)")
+    parser.add_argument("--model", action="append", choices=sorted(BUILTIN) + ["all"],
+                        help="built-in job on synthetic data; repeatable (default: all, unless --job is given)")
+    parser.add_argument("--steps", type=int, default=40, help="training steps per variant (default 40)")
+    parser.add_argument("--half-dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", metavar="DIR", default=os.path.join(".", "experiment_out"),
+                        help="where experiment.json and experiment.png go (default ./experiment_out)")
+    parser.add_argument("--no-isolate", action="store_true",
+                        help="run the variants one after the other in this process (debugging)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.set_defaults(func=run_command)
+    return parser
+
+
+def _jobs(args):
+    models = args.model or ([] if args.job else ["all"])
+    names = list(BUILTIN) if "all" in models else list(dict.fromkeys(models))
+    jobs = [builtin_spec(name) for name in names]
+    if args.job:
+        load_job(args.job)  # fail early, with a clear message, before any variant runs
+        jobs.append(args.job)
+    return jobs
+
+
+def run_command(args):
+    """Run the experiment the parsed ``args`` describe; returns the exit status."""
+    try:
+        reports = run_experiment(_jobs(args), variants=args.variants, steps=args.steps,
+                                 half_dtype=args.half_dtype, device=args.device, seed=args.seed,
+                                 out_dir=args.out, isolate=not args.no_isolate, progress=not args.no_progress)
+    except AmpPatchError as exc:
+        sys.stderr.write(f"amp-patch experiment: error: {exc}\n")
+        return 2
+    sys.stdout.write(format_reports(reports) + "\n")
+    sys.stdout.flush()
+    png = os.path.join(args.out, PNG_NAME)
+    sys.stderr.write(f"wrote {os.path.join(args.out, JSON_NAME)}"
+                     + (f" and {png}\n" if importlib.util.find_spec("matplotlib") else
+                        " (no PNG: matplotlib is not installed; pip install 'amp_patch[plot]')\n"))
+    failed = [v for r in reports for v in r["variants"].values() if v["status"] == "failed"]
+    return 1 if failed else 0

@@ -23,10 +23,31 @@ _PLAIN_TYPES = frozenset((int, float, bool, complex, str, bytes, type(None), sli
 _promote_types = torch.promote_types
 
 
-class ThreadState(threading.local):
-    """Per-thread switch: ``disabled`` > 0 inside ``disable_casts()`` regions."""
+class DisabledThreads(dict):
+    """Thread ident -> depth of ``disable_casts()`` regions open in that thread.
 
-    disabled = 0
+    Wrappers test ``if disabled and get_ident() in disabled``: while no region is
+    open anywhere that is one truth test of an empty dict (cheaper than a
+    ``threading.local`` attribute read on every call).
+    """
+
+    def enter(self):
+        ident = threading.get_ident()
+        self[ident] = self.get(ident, 0) + 1
+
+    def exit(self):
+        ident = threading.get_ident()
+        depth = self[ident] - 1
+        if depth:
+            self[ident] = depth
+        else:
+            del self[ident]
+
+    def here(self):
+        return threading.get_ident() in self
+
+
+_get_ident = threading.get_ident
 
 
 def cast_tree(x, cast):
@@ -43,6 +64,20 @@ def cast_tree(x, cast):
     if isinstance(x, dict):
         return {k: cast_tree(v, cast) for k, v in x.items()}
     return x
+
+
+def any_caster(cast):
+    """Extend a tensor caster to any argument: tensors cast, scalars as they are, containers searched."""
+
+    def cast_any(a):
+        cls = type(a)
+        if cls in _TENSOR_TYPES:
+            return cast(a)
+        if cls in _PLAIN_TYPES:
+            return a
+        return cast_tree(a, cast)
+
+    return cast_any
 
 
 def cast_args(cast, args):
@@ -144,38 +179,42 @@ def _finish(wrapper, original, entry):
     return wrapper
 
 
-def half_wrapper(original, entry, ctx):
-    tls, to_half = ctx.tls, ctx.to_half
+def _casting_wrapper(original, entry, ctx, cast):
+    """Wrapper that casts every tensor argument with ``cast`` (the ``half`` and ``float`` categories)."""
+    disabled, cast_any = ctx.disabled, any_caster(cast)
 
     def wrapper(*args, **kwargs):
-        if tls.disabled:
+        if disabled and _get_ident() in disabled:
             return original(*args, **kwargs)
         if kwargs:
-            return original(*cast_args(to_half, args), **cast_kwargs(to_half, kwargs))
-        return original(*cast_args(to_half, args))
+            return original(*map(cast_any, args), **cast_kwargs(cast, kwargs))
+        return original(*map(cast_any, args))
 
     return _finish(wrapper, original, entry)
+
+
+def half_wrapper(original, entry, ctx):
+    return _casting_wrapper(original, entry, ctx, ctx.to_half)
 
 
 def float_wrapper(original, entry, ctx):
-    tls = ctx.tls
-
-    def wrapper(*args, **kwargs):
-        if tls.disabled:
-            return original(*args, **kwargs)
-        if kwargs:
-            return original(*cast_args(to_float, args), **cast_kwargs(to_float, kwargs))
-        return original(*cast_args(to_float, args))
-
-    return _finish(wrapper, original, entry)
+    return _casting_wrapper(original, entry, ctx, to_float)
 
 
 def promote_wrapper(original, entry, ctx):
-    tls = ctx.tls
+    disabled = ctx.disabled
 
     def wrapper(*args, **kwargs):
-        if tls.disabled:
+        if disabled and _get_ident() in disabled:
             return original(*args, **kwargs)
+        if len(args) == 2 and not kwargs:  # fast path: binary ops
+            a, b = args
+            if type(a) in _TENSOR_TYPES and type(b) in _TENSOR_TYPES:
+                da, db = a.dtype, b.dtype
+                if da is db or da not in FLOAT_DTYPES or db not in FLOAT_DTYPES:
+                    return original(a, b)
+            elif type(b) in _PLAIN_TYPES and type(a) in _PLAIN_TYPES | _TENSOR_TYPES:
+                return original(a, b)
         widest = widest_dtype(args + tuple(kwargs.values()) if kwargs else args)
         if widest is None:
             return original(*args, **kwargs)
@@ -189,10 +228,10 @@ def promote_wrapper(original, entry, ctx):
 
 
 def sequence_promote_wrapper(original, entry, ctx):
-    tls = ctx.tls
+    disabled = ctx.disabled
 
     def wrapper(*args, **kwargs):
-        if tls.disabled:
+        if disabled and _get_ident() in disabled:
             return original(*args, **kwargs)
         if args:
             seq, rest = args[0], args[1:]
@@ -209,11 +248,11 @@ def sequence_promote_wrapper(original, entry, ctx):
 
 def inplace_wrapper(original, entry, ctx):
     """In-place Tensor methods keep ``self``'s dtype: other args are cast to it."""
-    tls = ctx.tls
+    disabled = ctx.disabled
     forbid_half_self = entry.category == "float"
 
     def wrapper(self, *args, **kwargs):
-        if tls.disabled or not isinstance(self, Tensor):
+        if disabled and _get_ident() in disabled or not isinstance(self, Tensor):
             return original(self, *args, **kwargs)
         dt = self.dtype
         if forbid_half_self and dt in HALF_DTYPES:
@@ -235,10 +274,10 @@ def banned_wrapper(original, entry, ctx):
     message = entry.message or ("{qualname} is banned under amp_patch. Pass allow_banned=True to run it in "
                                 "float32, or remove it from the op list's banned category.")
     message = f"{message.replace('{qualname}', entry.qualname)} (banned by {entry.path}:{entry.line})"
-    tls = ctx.tls
+    disabled = ctx.disabled
 
     def wrapper(*args, **kwargs):
-        if tls.disabled:
+        if disabled and _get_ident() in disabled:
             return original(*args, **kwargs)
         raise BannedOpError(message)
 

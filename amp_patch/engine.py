@@ -10,7 +10,7 @@ import logging
 import torch
 
 from ._resolve import resolve_target
-from .casting import CastCache, ThreadState, make_to_half, make_wrapper
+from .casting import CastCache, DisabledThreads, make_to_half, make_wrapper
 from .patcher import Patcher
 
 log = logging.getLogger("amp_patch")
@@ -25,7 +25,7 @@ class CastingEngine:
         self.allow_banned = allow_banned
         self.registrations = tuple(registrations)
         self.cache = CastCache()
-        self.tls = ThreadState()
+        self.disabled = DisabledThreads()
         self.to_half = make_to_half(half_dtype, self.cache)
         self.patcher = Patcher()
 
@@ -61,11 +61,10 @@ class CastingEngine:
         self.cache.clear()
 
     @contextlib.contextmanager
-    def disabled(self):
+    def casts_disabled(self):
         """Run the body with casting off in this thread (re-entrant, exception-safe)."""
-        tls = self.tls
-        tls.disabled += 1
+        self.disabled.enter()
         try:
             yield
         finally:
-            tls.disabled -= 1
+            self.disabled.exit()

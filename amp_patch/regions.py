@@ -54,7 +54,7 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         stack = contextlib.ExitStack()
         engine = _state.active_engine()
         if engine is not None and not self.enabled:
-            stack.enter_context(engine.disabled())
+            stack.enter_context(engine.casts_disabled())
         elif engine is None and self.enabled:
             stack.callback(self._open_region())
         self._frames().append(stack)

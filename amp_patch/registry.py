@@ -75,7 +75,7 @@ def _decorator(category):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             engine = _state.active_engine()
-            if engine is None or engine.tls.disabled:
+            if engine is None or engine.disabled.here():
                 return fn(*args, **kwargs)
             args, kwargs = cast_call_args(category, engine, args, kwargs)
             return fn(*args, **kwargs)
@@ -99,5 +99,5 @@ def disable_casts():
     if engine is None:
         yield
         return
-    with engine.disabled():
+    with engine.casts_disabled():
         yield

@@ -72,9 +72,11 @@ def _run(model_fn, variants, **kw):
 # --- tests ---------------------------------------------------------------------------------------------------
 
 def test_all_variants_in_process_report_structure(tmp_path):
+    threads = torch.get_num_threads()
     report = _run(tiny_model, ("fp32", "O1", "O2", "O3", "native"), steps=4, isolate=False, out_dir=tmp_path,
-                  name="tiny")
-    assert amp_patch._state.current() is None
+                  name="tiny", threads=1)
+    assert amp_patch._state.current() is None and torch.get_num_threads() == threads
+    assert report["threads"] == 1
     data = json.loads((tmp_path / "experiment.json").read_text())
     assert list(data["jobs"]) == ["tiny"]
     assert data["jobs"]["tiny"]["variants"].keys() == report["variants"].keys()

@@ -16,24 +16,26 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def compare(model_fn, optimizer_fn, data_fn, loss_fn, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat16,
-            device="cpu", seed=0, out_dir=None, isolate=True, batch_size=32, name="job", progress=True):
+            device="cpu", seed=0, out_dir=None, isolate=True, batch_size=32, name="job", progress=True,
+            threads=None):
     """Train the same job under each variant (fp32/O0, O1, O2, O3, native autocast) and report.
 
     Each variant runs in its own spawned process (``isolate=True``; the four callables must then be
     importable module-level functions) or, with ``isolate=False``, one after the other in this process.
     See :mod:`amp_patch.experiment.models` for the callables' signatures. Returns the report dict (what
     the JSON file holds for this job); with ``out_dir`` also writes ``experiment.json`` and, when
-    matplotlib is installed, ``experiment.png`` there.
+    matplotlib is installed, ``experiment.png`` there. ``threads`` sets ``torch.set_num_threads`` for each
+    run (e.g. 1 for steadier CPU timings on a busy machine); None keeps torch's default.
     """
     job = as_job(Job(model_fn, optimizer_fn, data_fn, loss_fn, batch_size=batch_size, name=name))
     return run_experiment([job], variants=variants, steps=steps, half_dtype=half_dtype, device=device, seed=seed,
-                          out_dir=out_dir, isolate=isolate, progress=progress)[0]
+                          out_dir=out_dir, isolate=isolate, progress=progress, threads=threads)[0]
 
 
 def run_experiment(jobs, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat16, device="cpu", seed=0,
-                   out_dir=None, isolate=True, progress=True):
+                   out_dir=None, isolate=True, progress=True, threads=None):
     """Run every job (a :class:`Job` or a ``module:function`` string) under every variant; a list of reports."""
-    config = make_config(steps, half_dtype, device, seed)
+    config = make_config(steps, half_dtype, device, seed, threads)
     variants = parse_variants(variants)
     refs = [_check_ref(ref, isolate) for ref in jobs]
     if not isolate and _state.current() is not None:
@@ -50,9 +52,10 @@ def run_experiment(jobs, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat
     return reports
 
 
-def make_config(steps, half_dtype, device, seed):
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ConfigError(f"steps={steps!r}; pass a positive integer")
+def make_config(steps, half_dtype, device, seed, threads=None):
+    _check_positive("steps", steps)
+    if threads is not None:
+        _check_positive("threads", threads)
     half_dtype = _DTYPES.get(half_dtype, half_dtype)
     if half_dtype not in (torch.float16, torch.bfloat16):
         raise ConfigError(f"half_dtype={half_dtype!r}; allowed: torch.float16, torch.bfloat16")
@@ -65,7 +68,12 @@ def make_config(steps, half_dtype, device, seed):
     if kind == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r}, but torch.cuda.is_available() is False on this machine "
                           f"(torch {torch.__version__}); use device='cpu'")
-    return Config(steps=steps, half_dtype=half_dtype, device=str(device), seed=int(seed))
+    return Config(steps=steps, half_dtype=half_dtype, device=str(device), seed=int(seed), threads=threads)
+
+
+def _check_positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r}; pass a positive integer")
 
 
 def _check_ref(ref, isolate):

@@ -24,8 +24,13 @@ def summarize(job_name, config, results, isolated):
         entry["max_loss_deviation_from_fp32"] = _max_deviation(result, fp32)
         variants[name] = entry
     return {"job": job_name, "steps": config.steps, "half_dtype": str(config.half_dtype).replace("torch.", ""),
-            "device": config.device, "seed": config.seed, "isolated": isolated,
+            "device": config.device, "seed": config.seed, "isolated": isolated, "threads": _threads(results),
             "torch_version": torch.__version__, "variants": variants}
+
+
+def _threads(results):
+    counts = {r.get("threads") for r in results.values() if r.get("threads")}
+    return counts.pop() if len(counts) == 1 else None
 
 
 def _ratio(result, base):
@@ -43,25 +48,29 @@ def _max_deviation(result, fp32):
     return max(abs(a - b) for a, b in pairs)
 
 
-_COLUMNS = ("variant", "status", "median step ms", "vs fp32", "vs native", "peak mem MiB", "final loss",
+_COLUMNS = ("variant", "status", "median step ms", "vs fp32", "vs native", "peak mem MiB (+in run)", "final loss",
             "max |Δloss| vs fp32", "skipped steps", "final loss scale", "casts/iter", "syncs/step")
 
 
 def markdown(report):
     """A markdown section for one job: a heading, the table, the memory kind and every variant's error."""
-    lines = [f"### {report['job']}: {report['steps']} steps, {report['half_dtype']}, {report['device']}, "
+    n = report["threads"]
+    threads = f", {n} thread{'' if n == 1 else 's'}" if n else ""
+    lines = [f"### {report['job']}: {report['steps']} steps, {report['half_dtype']}, {report['device']}{threads}, "
              f"seed {report['seed']}{'' if report['isolated'] else ', in-process (not isolated)'}", "",
              "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     for name, v in report["variants"].items():
         cells = [name, v["status"], _num(v["median_step_ms"], 3), _times(v["ratio_to_fp32"]),
-                 _times(v["ratio_to_native"]), _num(v["peak_memory_mib"], 0), _num(v["final_loss"], 4),
+                 _times(v["ratio_to_native"]), _memory(v), _num(v["final_loss"], 4),
                  _num(v["max_loss_deviation_from_fp32"], 4), str(v["skipped_steps"]),
                  _num(v["final_loss_scale"], 0), _num(v["casts_per_iteration"], 0), str(v["syncs_per_step"])]
         lines.append("| " + " | ".join(cells) + " |")
     kinds = sorted({v["memory_kind"] for v in report["variants"].values() if v["memory_kind"]})
     lines.append("")
-    lines.append(f"Peak memory: {'; '.join(kinds) or 'n/a'}. Casts/iter: aten._to_copy calls in one "
-                 "forward+backward+step.")
+    lines.append(f"Peak memory: {'; '.join(kinds) or 'n/a'} (+ its growth during the run). Casts/iter: "
+                 "aten._to_copy calls in one "
+                 "forward+backward+step. Step times come from separate runs; for ratios measured interleaved "
+                 "in one process see benchmarks/bench_step_time.py.")
     for name, v in report["variants"].items():
         if v["error"]:
             lines.append(f"- **{name}** {v['status']}: {v['error']}")
@@ -76,6 +85,14 @@ def _num(value, digits):
     if math.isinf(value) or math.isnan(value):
         return str(value)
     return f"{value:.{digits}f}" if digits or abs(value) < 1e7 else f"{value:.3g}"
+
+
+def _memory(v):
+    """``peak (+growth over the run's start)``."""
+    peak, start = v["peak_memory_mib"], v.get("memory_at_start_mib")
+    if peak is None or start is None:
+        return _num(peak, 0)
+    return f"{peak:.0f} (+{max(0.0, peak - start):.0f})"
 
 
 def _times(value):

@@ -31,14 +31,16 @@ class Config:
     half_dtype: torch.dtype = torch.bfloat16
     device: str = "cpu"
     seed: int = 0
+    threads: object = None  # torch.set_num_threads for the run; None keeps torch's default
 
 
 def new_result(variant, isolated):
     return {"variant": variant, "status": "ok", "error": None, "traceback": None, "pid": os.getpid(),
-            "isolated": isolated, "steps_run": 0, "losses": [], "loss_scales": [], "skipped_steps": 0,
+            "isolated": isolated, "threads": None, "steps_run": 0, "losses": [], "loss_scales": [],
+            "skipped_steps": 0,
             "step_times_ms": [], "median_step_ms": None, "casts_per_iteration": None,
             "weight_casts_per_iteration": None, "distinct_weights_cast": None, "syncs_per_step": None,
-            "peak_memory_mib": None, "memory_kind": None, "final_loss": None, "final_loss_scale": None}
+            "peak_memory_mib": None, "memory_at_start_mib": None, "memory_kind": None, "final_loss": None, "final_loss_scale": None}
 
 
 def _fail(result, exc):
@@ -54,13 +56,21 @@ def run_variant(job, variant, config, on_step=None, isolated=False):
     device = torch.device(config.device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        result["memory_at_start_mib"] = torch.cuda.memory_allocated(device) / 2 ** 20
+    else:
+        result["memory_at_start_mib"] = _rss_now_mib()
     runner = make_variant(variant, config.half_dtype, config.device)
+    old_threads = torch.get_num_threads()
     try:
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        result["threads"] = torch.get_num_threads()
         _train(as_job(job), runner, config, result, on_step)
     except Exception as exc:  # the report carries it; the other variants still run
         _fail(result, exc)
     finally:
         runner.close()
+        torch.set_num_threads(old_threads)
     _finish(result, device, isolated)
     return result
 
@@ -164,6 +174,14 @@ def _finish(result, device, isolated):
         result["syncs_per_step"] = f"n/a ({device.type.upper()})"
         result["peak_memory_mib"] = _rss_peak_mib()
         result["memory_kind"] = "process RSS peak" + ("" if isolated else " (shared by in-process variants)")
+
+
+def _rss_now_mib():
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None  # not Linux: the report shows the peak only
 
 
 def _rss_peak_mib():

@@ -1,6 +1,7 @@
 """``compare`` (one job, Python API) and ``run_experiment`` (several jobs, what the CLI calls)."""
 import logging
 import pickle
+import sys
 
 import torch
 
@@ -81,6 +82,7 @@ def _check_ref(ref, isolate):
         return ref
     job = as_job(ref)
     if isolate:
+        _check_not_interactive_main(job)
         try:
             pickle.dumps(job)
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
@@ -88,6 +90,17 @@ def _check_ref(ref, isolate):
                               "model_fn, optimizer_fn, data_fn and loss_fn must be importable module-level "
                               "functions (no lambdas or closures). Pass isolate=False to run in-process.") from None
     return job
+
+
+def _check_not_interactive_main(job):
+    main = sys.modules.get("__main__")
+    if getattr(main, "__file__", None):
+        return  # a script: spawned processes re-import it
+    for field in ("model_fn", "optimizer_fn", "data_fn", "loss_fn"):
+        if getattr(getattr(job, field), "__module__", None) == "__main__":
+            raise ConfigError(f"{field} is defined in an interactive session or 'python -c', which a spawned "
+                              "variant process cannot import; put the job in a module (or a script file), "
+                              "or pass isolate=False")
 
 
 def _job_name(ref):

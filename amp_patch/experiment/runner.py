@@ -89,6 +89,10 @@ def _train(job, runner, config, result, on_step):
         batch = [t.to(device, non_blocking=True) if torch.is_tensor(t) else t for t in next(batches)]
         loss = _measured_step(step, model, optimizer, runner, job, batch, params, config, result)
         if not _record(step, loss, optimizer, runner, result):
+            bad = sum(not torch.isfinite(p).all() for p in model.parameters())
+            if bad:
+                result["error"] += (f"; {bad} parameter tensor(s) were already non-finite (the previous "
+                                    "optimizer step produced them)")
             return
         if on_step is not None:
             on_step(step + 1)
@@ -153,13 +157,15 @@ def _batches(job, config):
         data = DataLoader(data, batch_size=job.batch_size, shuffle=True, drop_last=len(data) >= job.batch_size,
                           generator=torch.Generator().manual_seed(config.seed), num_workers=2 if cuda else 0,
                           pin_memory=cuda, persistent_workers=cuda)
+    total = 0
     while True:
-        empty = True
+        before = total
         for batch in data:
-            empty = False
+            total += 1
             yield batch
-        if empty:
-            raise ValueError("the job's data_fn returned no batches")
+        if total == before:
+            raise ValueError(f"the job's data ran out after {total} batches; data_fn should return a Dataset, a "
+                             "tuple of tensors or a re-iterable DataLoader (not a one-shot iterator)")
 
 
 def _finish(result, device, isolated):

@@ -37,10 +37,10 @@ class Config:
 def new_result(variant, isolated):
     return {"variant": variant, "status": "ok", "error": None, "traceback": None, "pid": os.getpid(),
             "isolated": isolated, "threads": None, "steps_run": 0, "losses": [], "loss_scales": [],
-            "skipped_steps": 0,
-            "step_times_ms": [], "median_step_ms": None, "casts_per_iteration": None,
+            "skipped_steps": 0, "step_times_ms": [], "median_step_ms": None, "casts_per_iteration": None,
             "weight_casts_per_iteration": None, "distinct_weights_cast": None, "syncs_per_step": None,
-            "peak_memory_mib": None, "memory_at_start_mib": None, "memory_kind": None, "final_loss": None, "final_loss_scale": None}
+            "peak_memory_mib": None, "memory_at_start_mib": None, "memory_kind": None, "final_loss": None,
+            "final_loss_scale": None}
 
 
 def _fail(result, exc):

@@ -1,0 +1,28 @@
+"""The ``apex.amp`` surface, implemented by amp_patch.
+
+``from amp_patch.legacy import amp`` gives this module; under the alias
+(``amp-patch run`` or :func:`amp_patch.legacy.install_apex_alias`) ``apex.amp``
+exposes the same names. Apex's new API (``initialize``, ``scale_loss``,
+``master_params``, ``state_dict``/``load_state_dict``, registrations, decorators,
+``disable_casts``) is amp_patch's own; the old handle API (``amp.init()``) lives
+in :mod:`amp_patch.legacy.handle`. Other Apex names raise an
+:class:`~amp_patch.legacy.unsupported.ApexAttributeError` naming the alternative.
+"""
+from ..frontend import deinitialize, initialize, load_state_dict, master_params, scale_loss, state_dict
+from ..registry import (disable_casts, float_function, half_function, promote_function, register_float_function,
+                        register_half_function, register_promote_function)
+from .handle import init
+from .unsupported import attribute_error
+
+__all__ = [
+    "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict", "register_half_function",
+    "register_float_function", "register_promote_function", "half_function", "float_function", "promote_function",
+    "disable_casts", "init", "deinitialize",
+]
+
+
+def __getattr__(name):
+    """Unknown ``apex.amp`` names: an AttributeError (and AmpPatchError) naming the feature and the alternative."""
+    if name.startswith("__") and name.endswith("__"):
+        raise AttributeError(f"module 'apex.amp' has no attribute {name!r}")
+    raise attribute_error(f"amp.{name}")

@@ -4,7 +4,7 @@ import logging
 
 import torch
 
-from . import _state, distributed
+from . import _state, distributed, early_bound
 from .engine import CastingEngine
 from .errors import ConfigError, UsageError
 from .models import ModelPatch
@@ -49,6 +49,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         session.scalers = _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor,
                                         backoff_factor, growth_interval, hysteresis)
         _install_casting(session, op_lists, allow_banned)
+        _reach_early_bound(session, model_list)
     except BaseException:
         session.close()
         raise
@@ -100,6 +101,7 @@ def _prepare_models(session, models):
     for model in models:
         patch = ModelPatch(model)
         session.model_patches.append(patch)
+        session.undo.append(lambda patch=patch: patch.restore(session.masters()))
         fp32_data.update(patch.cast(props.cast_model_type, keep))
         patch.cast_io(props.cast_model_type, props.cast_model_outputs or torch.float32, keep)
     return fp32_data
@@ -107,14 +109,13 @@ def _prepare_models(session, models):
 
 def _attach_optimizers(session, optimizers, fp32_data):
     for opt in optimizers:
-        session.opt_states[id(opt)] = OptimizerState(opt, master_weights=session.props.master_weights,
-                                                     fp32_data=fp32_data)
+        state = OptimizerState(opt, master_weights=session.props.master_weights, fp32_data=fp32_data)
+        session.opt_states[id(opt)] = state
+        session.undo.append(state.restore)
 
 
 def _link_masters(session):
-    masters = {}
-    for state in session.opt_states.values():
-        masters.update(state.masters_by_model_param())
+    masters = session.masters()
     if masters:
         for patch in session.model_patches:
             patch.link_masters(masters)
@@ -139,7 +140,16 @@ def _install_casting(session, op_lists, allow_banned):
     table = load_op_lists(op_lists)
     session.engine = CastingEngine(table, half_dtype=props.half_dtype, allow_banned=allow_banned,
                                    registrations=REGISTRY.take())
+    session.undo.append(session.engine.uninstall)
     session.engine.install()
+
+
+def _reach_early_bound(session, models):
+    if session.engine is None:
+        return
+    undo, session.rerouted = early_bound.reroute(models, session.engine)
+    session.undo.append(undo)
+    session.unreachable = early_bound.scan_globals(models, session.engine)
 
 
 def _log_configuration(props, verbosity):

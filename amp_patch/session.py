@@ -17,6 +17,8 @@ class Session:
         self.opt_states = {}
         self.scalers = []
         self.undo = []  # extra callables run (newest first) by close()
+        self.rerouted = []  # early-bound module attributes routed through the wrappers
+        self.unreachable = []  # import-time bindings amp_patch cannot reach (reported)
 
     def scaler(self, loss_id):
         if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(self.scalers):
@@ -36,20 +38,20 @@ class Session:
         if self.engine is not None:
             self.engine.clear_cache()
 
+    def masters(self):
+        """id(model param) -> fp32 master, over every optimizer."""
+        found = {}
+        for state in self.opt_states.values():
+            found.update(state.masters_by_model_param())
+        return found
+
     def close(self):
-        """Undo everything, newest first: casting patches, optimizer changes, model changes."""
-        if self.engine is not None:
-            self.engine.uninstall()
-        masters = {}
-        for state in reversed(list(self.opt_states.values())):
-            masters.update(state.masters_by_model_param())
-            state.restore()
-        for patch in reversed(self.model_patches):
-            patch.restore(masters)
-        self.opt_states.clear()
-        self.model_patches.clear()
+        """Undo everything in reverse order of doing it (casting patches, optimizers, models, hooks)."""
         while self.undo:
             self.undo.pop()()
+        self.opt_states.clear()
+        self.model_patches.clear()
+        self.engine = None
 
 
 def _suggest(loss_id, scalers):

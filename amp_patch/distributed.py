@@ -1,11 +1,23 @@
-"""torch.distributed helpers: rank-consistent overflow decisions and rank-0 logging.
+"""torch.distributed helpers: rank-consistent overflow decisions, rank-0 logging, master-weight sync.
 
 Nothing here imports or initializes a process group; every function is a cheap
 no-op unless ``torch.distributed`` is available, initialized and has >1 rank.
+
+Rules the helpers rely on (see docs/distributed.md):
+
+* every rank calls ``scale_loss`` (and ``optimizer.step()`` after a delayed
+  unscale) the same number of times, because each non-delayed ``scale_loss``
+  exit all-reduces the overflow flag (one scalar, MAX) over the default group;
+* DDP wraps the model *after* ``initialize``; under master weights (O2) DDP's
+  construction broadcast reaches the half model params only, so ranks must start
+  from identical weights or call :func:`broadcast_master_params` after wrapping.
 """
 import logging
 
 import torch
+
+from . import _state
+from .errors import UsageError
 
 log = logging.getLogger("amp_patch")
 
@@ -17,15 +29,19 @@ def _world():
     return None
 
 
+def _flag_device(dist):
+    """Where the overflow flag lives: the current CUDA device for NCCL (it cannot reduce CPU tensors), else CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def agree_overflow(found_inf, device=None):
     """True on every rank if any rank saw non-finite grads (one scalar all-reduce when distributed)."""
     dist = _world()
     if dist is None:
         return found_inf
-    backend = dist.get_backend()
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    flag = torch.tensor([1.0 if found_inf else 0.0], device=device)
+    flag = torch.tensor([1.0 if found_inf else 0.0], device=device if device is not None else _flag_device(dist))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
@@ -49,3 +65,65 @@ def install_rank_filter(all_ranks):
     flt = RankZeroFilter()
     log.addFilter(flt)
     return lambda: log.removeFilter(flt)
+
+
+def _master_pairs():
+    session = _state.current()
+    if session is None or not session.enabled:
+        raise UsageError("amp_patch.distributed.broadcast_master_params() needs an initialized session; call "
+                         "amp_patch.initialize(...) first, then wrap the model in DistributedDataParallel")
+    return [pair for state in session.opt_states.values() for pair in state.pairs]
+
+
+def broadcast_master_params(src=0, group=None):
+    """Give every rank rank ``src``'s fp32 master params (and the half model params cast from them).
+
+    DDP broadcasts rank 0's *model* params when it is constructed; under O2 those
+    are the half copies and the fp32 masters held by the optimizer keep each
+    rank's own values. Call this once after wrapping the model when the ranks
+    did not build identical weights (different seeds, a checkpoint loaded on one
+    rank only). A no-op outside a multi-rank run and for opt levels without
+    master weights. Collective: every rank of ``group`` must call it.
+    """
+    pairs = _master_pairs()
+    dist = _world()
+    if dist is None or not pairs:
+        return
+    with torch.no_grad():
+        for model_p, master in pairs:
+            dist.broadcast(master.data, src=src, group=group)
+            model_p.copy_(master)
+
+
+def masters_out_of_sync():
+    """Names (``"param i"``) of this rank's master params that do not round to their half model param.
+
+    Local and cheap (no collective). A non-empty answer after wrapping in DDP
+    means DDP overwrote the half params with rank 0's and the fp32 masters were
+    left behind: call :func:`broadcast_master_params`.
+    """
+    bad = []
+    for i, (model_p, master) in enumerate(_master_pairs()):
+        if not torch.equal(master.detach().to(model_p.dtype), model_p.detach()):
+            bad.append(f"param {i}")
+    return bad
+
+
+def check_unscale_inside_no_sync(model, delay_unscale):
+    """Raise UsageError for a non-delayed ``scale_loss`` exit inside ``model.no_sync()`` (``model`` a DDP module).
+
+    DDP reduces ``param.grad`` as it stands at the next synced backward, but a
+    non-delayed exit moves the local, never-reduced grads out of ``param.grad``
+    (into the accumulation stash or the fp32 master grads) before that backward
+    runs: each rank would then step with its own gradients and the replicas drift
+    apart. Inside ``no_sync()`` pass ``delay_unscale=True``. ``model=None`` or a
+    model that is not DDP: nothing to check.
+    """
+    if delay_unscale or model is None or getattr(model, "require_backward_grad_sync", True):
+        return
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or _world() is None:
+        return
+    raise UsageError("scale_loss(..., delay_unscale=False) inside DistributedDataParallel.no_sync(): these local "
+                     "gradients would be unscaled and moved out of param.grad before DDP reduces it, so every rank "
+                     "would step with different gradients. Pass delay_unscale=True for the micro-batches inside "
+                     "no_sync() and unscale (delay_unscale=False) on the synced last one.")

@@ -8,10 +8,12 @@ from .errors import (AmpPatchError, BannedOpError, CastError, ConfigError, OpLis
                      UsageError)
 from .oplist import OpEntry, OpTable, load_op_lists, shipped_names
 from .regions import autocast
+from .tracing import trace
 from .registry import (disable_casts, float_function, half_function, promote_function, register_float_function,
                        register_half_function, register_promote_function)
-from .frontend import (clear_cache, deinitialize, initialize, last_step_skipped, load_state_dict, loss_scale,
-                       master_params, scale_loss, state_dict)
+from .frontend import (clear_cache, deinitialize, history, initialize, last_overflow, last_step_skipped,
+                       load_state_dict, loss_scale, master_params, state_dict)
+from .scaling import scale_loss
 
 __version__ = "0.1.0"
 
@@ -20,5 +22,5 @@ __all__ = [
     "OpEntry", "OpTable", "load_op_lists", "shipped_names", "autocast", "disable_casts", "float_function",
     "half_function", "promote_function", "register_float_function", "register_half_function",
     "register_promote_function", "initialize", "deinitialize", "clear_cache", "scale_loss", "master_params",
-    "state_dict", "load_state_dict", "last_step_skipped", "loss_scale", "__version__",
+    "state_dict", "load_state_dict", "last_step_skipped", "loss_scale", "trace", "history", "last_overflow", "__version__",
 ]

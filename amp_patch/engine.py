@@ -28,13 +28,19 @@ class CastingEngine:
         self.disabled = DisabledThreads()
         self.to_half = make_to_half(half_dtype, self.cache)
         self.patcher = Patcher()
+        self.tracer = None
 
     @property
     def installed(self):
         return len(self.patcher) > 0
 
-    def install(self):
-        """Install one wrapper per entry (registrations override list entries of the same site)."""
+    def install(self, tracer=None):
+        """Install one wrapper per entry (registrations override list entries of the same site).
+
+        With a ``tracer`` the wrappers are the recording variants (see ``amp_patch.tracing``); without one
+        they contain no tracing code at all, so tracing off costs nothing.
+        """
+        self.tracer = tracer
         registered = {(id(reg.owner), reg.entry.name) for reg in self.registrations}
         owners = {}
         try:
@@ -51,7 +57,16 @@ class CastingEngine:
 
     def _install_one(self, owner, entry):
         method = isinstance(owner, type)
-        self.patcher.install(owner, entry.name, lambda original: make_wrapper(original, entry, self, method=method))
+        if self.tracer is None:
+            make = lambda original: make_wrapper(original, entry, self, method=method)  # noqa: E731
+        else:
+            make = lambda original: self.tracer.wrap(original, entry, self, method=method)  # noqa: E731
+        self.patcher.install(owner, entry.name, make)
+
+    def retrace(self, tracer):
+        """Reinstall every wrapper, recording into ``tracer`` (or, with None, the plain ones)."""
+        self.patcher.restore_all()
+        self.install(tracer)
 
     def uninstall(self):
         self.patcher.restore_all()

@@ -1,5 +1,4 @@
 """The Apex-compatible entry points: initialize, deinitialize, scale_loss, state and master params."""
-import contextlib
 import logging
 
 import torch
@@ -12,8 +11,11 @@ from .oplist import load_op_lists
 from .opt_levels import resolve
 from .optim_state import OptimizerState
 from .registry import REGISTRY
+from .diagnostics import OverflowDiagnoser, StepHistory
 from .scaler import LossScaler, load_state_dict_into, state_dict_for
+from .scaling import current_session as _session
 from .session import Session
+from .tracing import Tracer
 
 log = logging.getLogger("amp_patch")
 _WRAPPERS = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
@@ -23,15 +25,16 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None, loss_scale=None,
                cast_model_outputs=None, num_losses=1, verbosity=1, min_loss_scale=None, max_loss_scale=2.0 ** 24,
                *, half_dtype=None, op_lists=None, allow_banned=False, growth_factor=2.0, backoff_factor=0.5,
-               growth_interval=2000, hysteresis=1, keep_fp32_modules=(), log_all_ranks=False):
+               growth_interval=2000, hysteresis=1, keep_fp32_modules=(), log_all_ranks=False,
+               diagnose_overflow=False, history_size=1000):
     """Set up mixed precision for ``models`` and ``optimizers`` (Apex's signature plus keyword-only extras).
 
     Returns the models and optimizers in the structure they were passed (only
     the models when no optimizers were given). See docs/usage.md.
     """
     _check_not_initialized()
-    model_list, models_is_list = _as_list(models, "models", torch.nn.Module)
-    opt_list, opts_is_list = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
+    model_list, _ = _as_list(models, "models", torch.nn.Module)
+    opt_list, _ = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
     if not enabled:
         _state.activate(Session(enabled=False))
         return _pack(models, optimizers)
@@ -50,6 +53,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                                         backoff_factor, growth_interval, hysteresis)
         _install_casting(session, op_lists, allow_banned)
         _reach_early_bound(session, model_list)
+        _set_up_diagnostics(session, model_list, diagnose_overflow, history_size)
     except BaseException:
         session.close()
         raise
@@ -147,9 +151,25 @@ def _install_casting(session, op_lists, allow_banned):
 def _reach_early_bound(session, models):
     if session.engine is None:
         return
-    undo, session.rerouted = early_bound.reroute(models, session.engine)
-    session.undo.append(undo)
+    session.models = models
+    session.refresh_early_bound()
+    session.undo.append(session.drop_early_bound)
     session.unreachable = early_bound.scan_globals(models, session.engine)
+
+
+def _set_up_diagnostics(session, models, diagnose_overflow, history_size):
+    if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
+        raise ConfigError(f"history_size={history_size!r}; pass a positive number of steps to keep")
+    session.history = StepHistory(history_size)
+    if not diagnose_overflow:
+        return
+    tracer = None
+    if session.engine is not None:  # the recording wrappers tell which op produced a bad output
+        tracer = Tracer(modules=False, unpatched=False)
+        session.engine.retrace(tracer)
+        session.refresh_early_bound()
+    session.diagnoser = OverflowDiagnoser(models, session.props.half_dtype, tracer)
+    session.undo.append(session.diagnoser.remove)
 
 
 def _log_configuration(props, verbosity):
@@ -166,41 +186,6 @@ def deinitialize():
     _state.deactivate()
     if session is not None:
         session.close()
-
-
-def _session(api):
-    session = _state.current()
-    if session is None:
-        raise UsageError(f"amp_patch.{api}() was called before amp_patch.initialize(); call "
-                         "model, optimizer = amp_patch.initialize(model, optimizer, opt_level=...) first")
-    return session
-
-
-@contextlib.contextmanager
-def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, delay_overflow_check=False):
-    """Yield ``loss.float() * scale``; on exit unscale grads, check for inf/NaN and update the loss's scaler.
-
-    ``model`` and ``delay_overflow_check`` are accepted for Apex compatibility and ignored.
-    """
-    session = _session("scale_loss")
-    if not session.enabled:
-        yield loss
-        return
-    scaler = session.scaler(loss_id)
-    opts, _ = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
-    states = [session.state_for(opt) for opt in opts]
-    for state in states:
-        state.before_backward(scaler)
-    yield loss.float() * scaler.scale
-    found_inf = False
-    for state in states:
-        found_inf |= state.after_backward(scaler, delay_unscale)
-    if not delay_unscale:
-        found_inf = distributed.agree_overflow(found_inf)
-    if not delay_unscale and scaler.update(found_inf):
-        for state in states:
-            state.skip_next = True
-    session.clear_cache()
 
 
 def clear_cache():
@@ -243,3 +228,14 @@ def load_state_dict(state):
     session = _session("load_state_dict")
     if session.enabled:
         load_state_dict_into(session.scalers, state)
+
+
+def last_overflow():
+    """The record of the last overflow seen with ``diagnose_overflow=True`` (None if none yet)."""
+    return _session("last_overflow").last_overflow
+
+
+def history():
+    """Per-step records (loss id, scale before/after, skipped, overflow record), oldest first."""
+    session = _session("history")
+    return list(session.history.records) if session.history is not None else []

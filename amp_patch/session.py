@@ -1,6 +1,8 @@
 """The session: every piece of state one ``initialize`` call creates, and how to undo it."""
 import logging
 
+from . import early_bound
+
 from .errors import UsageError
 
 log = logging.getLogger("amp_patch")
@@ -17,7 +19,12 @@ class Session:
         self.opt_states = {}
         self.scalers = []
         self.undo = []  # extra callables run (newest first) by close()
+        self.models = []
         self.rerouted = []  # early-bound module attributes routed through the wrappers
+        self._early_undo = None
+        self.history = None  # diagnostics.StepHistory
+        self.diagnoser = None  # diagnostics.OverflowDiagnoser (diagnose_overflow=True)
+        self.last_overflow = None
         self.unreachable = []  # import-time bindings amp_patch cannot reach (reported)
 
     def scaler(self, loss_id):
@@ -37,6 +44,16 @@ class Session:
     def clear_cache(self):
         if self.engine is not None:
             self.engine.clear_cache()
+
+    def refresh_early_bound(self):
+        """(Re)point early-bound function attributes of the models at the current wrappers."""
+        self.drop_early_bound()
+        self._early_undo, self.rerouted = early_bound.reroute(self.models, self.engine)
+
+    def drop_early_bound(self):
+        undo, self._early_undo = self._early_undo, None
+        if undo is not None:
+            undo()
 
     def masters(self):
         """id(model param) -> fp32 master, over every optimizer."""

@@ -8,7 +8,8 @@ exposes the same names. Apex's new API (``initialize``, ``scale_loss``,
 in :mod:`amp_patch.legacy.handle`. Other Apex names raise an
 :class:`~amp_patch.legacy.unsupported.ApexAttributeError` naming the alternative.
 """
-from ..frontend import deinitialize, initialize, load_state_dict, master_params, scale_loss, state_dict
+from ..frontend import deinitialize, initialize, load_state_dict, master_params, state_dict
+from ..scaling import scale_loss
 from ..registry import (disable_casts, float_function, half_function, promote_function, register_float_function,
                         register_half_function, register_promote_function)
 from .handle import init

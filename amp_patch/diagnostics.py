@@ -1,0 +1,131 @@
+"""Overflow origin and the scale/skip history.
+
+``initialize(..., diagnose_overflow=True)`` adds forward hooks (only in this
+mode) that record, without a host sync, whether each module's output held
+inf/NaN or values beyond the half dtype's range; only when a step overflows are
+the flags read, to name the first offending module in execution order and the
+parameters with non-finite gradients. The history is a bounded ring buffer of
+per-step records that also watches for a collapsing loss scale.
+"""
+import collections
+import logging
+
+import torch
+
+log = logging.getLogger("amp_patch")
+
+_COLLAPSE_HINT = ("a loss scale stuck at its floor usually means a genuine inf/NaN in the forward pass, not fp16 "
+                  "range: a log/div of zero, a sqrt of a negative, unnormalised inputs or targets, or too high a "
+                  "learning rate. Try initialize(..., diagnose_overflow=True) and amp_patch.last_overflow() to find "
+                  "the module, check the data, lower the LR, or keep the offending op in float (an op-list edit).")
+
+
+def _floating(out, found):
+    if isinstance(out, torch.Tensor):
+        if out.is_floating_point() and out.numel():
+            found.append(out)
+    elif isinstance(out, (list, tuple)):
+        for item in out:
+            _floating(item, found)
+    elif isinstance(out, dict):
+        for item in out.values():
+            _floating(item, found)
+    return found
+
+
+class OverflowDiagnoser:
+    """Forward hooks flagging bad module outputs; turns flags + grads into an overflow record."""
+
+    def __init__(self, models, half_dtype, tracer=None, max_flags=100_000):
+        self.limit = torch.finfo(half_dtype).max
+        self.flags = collections.deque(maxlen=max_flags)
+        self.tracer = tracer  # its last_entry names the patched op that ran last (None without O1)
+        self.models = models
+        self.handles = []
+        for model in models:
+            for name, module in model.named_modules():
+                self.handles.append(module.register_forward_hook(self._hook(name or type(model).__name__)))
+
+    def _hook(self, name):
+        def hook(module, args, out):
+            tensors = _floating(out, [])
+            if not tensors:
+                return
+            entry = self.tracer.last_entry if self.tracer is not None else None
+            with torch.no_grad():
+                bad = None
+                for t in tensors:  # (no sync: the flag stays a tensor until an overflow asks for it)
+                    flag = torch.logical_or(torch.isfinite(t).logical_not().any(), t.abs().amax().gt(self.limit))
+                    bad = flag if bad is None else torch.logical_or(bad, flag)
+            if self.tracer is not None:
+                self.tracer.last_entry = entry  # our own checks must not count as the module's last op
+            self.flags.append((name, bad, entry.category if entry else None, entry.qualname if entry else None))
+        return hook
+
+    def first_bad_module(self):
+        for name, flag, category, qualname in self.flags:
+            if bool(flag):
+                return {"module": name, "op": qualname, "category": category}
+        return None
+
+    def bad_grads(self, masters):
+        master_of = {pid: m for pid, m in masters.items()}
+        rows = []
+        for model in self.models:
+            for name, param in model.named_parameters():
+                grad = (master_of[id(param)].grad if id(param) in master_of else None)
+                grad = grad if grad is not None else param.grad
+                if grad is None:
+                    continue
+                finite = torch.isfinite(grad)
+                bad = int((~finite).sum())
+                if bad:
+                    values = grad[finite].abs()
+                    rows.append({"param": name, "nonfinite": bad,
+                                 "max_finite": float(values.max()) if values.numel() else None})
+        return rows
+
+    def record(self, loss_id, scale, masters):
+        record = {"loss_id": loss_id, "loss_scale": scale, "first_bad_module": self.first_bad_module(),
+                  "params": self.bad_grads(masters)}
+        self.flags.clear()
+        origin = record["first_bad_module"]
+        log.warning("amp_patch overflow (loss %d, scale %s): first non-finite/out-of-range module output: %s; "
+                    "params with non-finite grads: %s", loss_id, scale,
+                    f"{origin['module']} (last op {origin['op']}, {origin['category']})" if origin else "none found",
+                    ", ".join(f"{r['param']} ({r['nonfinite']})" for r in record["params"][:8]) or "none")
+        return record
+
+    def reset(self):
+        self.flags.clear()
+
+    def remove(self):
+        while self.handles:
+            self.handles.pop().remove()
+
+
+class StepHistory:
+    """Per-step records in a ring buffer, plus a once-per-scaler warning when a scale collapses."""
+
+    def __init__(self, size=1000, collapse_steps=20):
+        self.records = collections.deque(maxlen=size)
+        self.collapse_steps = collapse_steps
+        self._at_floor = collections.Counter()
+        self._warned = set()
+        self.step = 0
+
+    def add(self, loss_id, before, after, skipped, overflow, scaler):
+        self.records.append({"step": self.step, "loss_id": loss_id, "scale_before": before, "scale_after": after,
+                             "skipped": skipped, "overflow": overflow})
+        self.step += 1
+        self._watch(loss_id, after, scaler)
+
+    def _watch(self, loss_id, scale, scaler):
+        if not scaler.dynamic or loss_id in self._warned:
+            return
+        floor = scaler.hyperparameters.get("min_loss_scale")
+        at_floor = floor is not None and scale <= floor
+        self._at_floor[loss_id] = self._at_floor[loss_id] + 1 if at_floor else 0
+        if self._at_floor[loss_id] >= self.collapse_steps or (floor is None and scale < 1.0):
+            self._warned.add(loss_id)
+            log.warning("amp_patch: loss scale of loss %d collapsed to %s. %s", loss_id, scale, _COLLAPSE_HINT)

@@ -1,0 +1,63 @@
+"""scale_loss: the per-iteration protocol between backward, the scalers and the optimizers."""
+import contextlib
+
+import torch
+
+from . import _state, distributed
+from .errors import ConfigError, UsageError
+
+
+def current_session(api):
+    """The active session, or a UsageError naming ``api`` and the call that must come first."""
+    session = _state.current()
+    if session is None:
+        raise UsageError(f"amp_patch.{api}() was called before amp_patch.initialize(); call "
+                         "model, optimizer = amp_patch.initialize(model, optimizer, opt_level=...) first")
+    return session
+
+
+def _optimizer_list(optimizers):
+    items = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    for opt in items:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"scale_loss expects an optimizer or a list of optimizers; got {type(opt).__name__}")
+    return items
+
+
+@contextlib.contextmanager
+def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, delay_overflow_check=False):
+    """Yield ``loss.float() * scale``; on exit unscale grads, check for inf/NaN and update the loss's scaler.
+
+    ``model`` and ``delay_overflow_check`` are accepted for Apex compatibility and ignored.
+    """
+    session = current_session("scale_loss")
+    if not session.enabled:
+        yield loss
+        return
+    scaler = session.scaler(loss_id)
+    states = [session.state_for(opt) for opt in _optimizer_list(optimizers)]
+    for state in states:
+        state.before_backward(scaler)
+    yield loss.float() * scaler.scale
+    found_inf = False
+    for state in states:
+        found_inf |= state.after_backward(scaler, delay_unscale)
+    if not delay_unscale:
+        _finish_step(session, scaler, loss_id, states, distributed.agree_overflow(found_inf))
+    session.clear_cache()
+
+
+def _finish_step(session, scaler, loss_id, states, found_inf):
+    before = scaler.scale
+    skip = scaler.update(found_inf)
+    if skip:
+        for state in states:
+            state.skip_next = True
+    overflow = None
+    if session.diagnoser is not None:
+        if found_inf:
+            overflow = session.last_overflow = session.diagnoser.record(loss_id, before, session.masters())
+        else:
+            session.diagnoser.reset()
+    if session.history is not None:
+        session.history.add(loss_id, before, scaler.scale, skip, overflow, scaler)

@@ -1,0 +1,172 @@
+"""Cast trace, overflow origin and the scale/skip history."""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import amp_patch
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(4))
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _overflowing_net():
+    torch.manual_seed(0)
+    net = Net()
+    with torch.no_grad():
+        net.blocks[2].fc.weight.fill_(6e4)  # fits in fp16 (max 65504), but the half linear output does not
+        net.blocks[2].fc.bias.fill_(6e4)
+    return net
+
+
+def test_last_overflow_names_the_first_bad_module_and_its_params():
+    net = _overflowing_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = amp_patch.initialize(net, opt, opt_level="O1", diagnose_overflow=True, verbosity=0)
+    assert amp_patch.last_overflow() is None
+    loss = net(torch.ones(2, 4)).float().sum()
+    with amp_patch.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    record = amp_patch.last_overflow()
+    assert record["first_bad_module"]["module"] == "blocks.2.fc"
+    assert record["first_bad_module"]["op"] == "torch.nn.functional.linear"
+    assert record["first_bad_module"]["category"] == "half"
+    rows = {row["param"]: row for row in record["params"]}
+    # the inf flows backward from blocks.2 into every earlier grad and through everything after it
+    assert set(rows) == {name for name, _ in net.named_parameters()}
+    assert rows["blocks.2.fc.weight"]["nonfinite"] == 16 and rows["blocks.2.fc.bias"]["nonfinite"] == 4
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_nan_in_one_grad_names_exactly_that_param(level):
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = amp_patch.initialize(net, opt, opt_level=level, diagnose_overflow=True, loss_scale=8.0,
+                                    verbosity=0)
+    with amp_patch.scale_loss(net(torch.randn(2, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+        net.blocks[1].fc.bias.grad[0] = float("nan")
+    record = amp_patch.last_overflow()
+    assert record["params"] == [{"param": "blocks.1.fc.bias", "nonfinite": 1,
+                                 "max_finite": record["params"][0]["max_finite"]}]
+    assert record["first_bad_module"] is None  # the forward itself was clean
+    opt.step()
+    assert amp_patch.last_step_skipped(opt)
+
+
+def test_history_records_steps_in_a_bounded_ring():
+    net = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = amp_patch.initialize(net, opt, history_size=3, growth_interval=100, max_loss_scale=2.0 ** 10,
+                                    verbosity=0)
+    for x in (0.5, float("inf"), 0.5, 0.5):
+        with amp_patch.scale_loss(net(torch.full((1, 2), x)).float().sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    records = amp_patch.history()
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0] == {"step": 1, "loss_id": 0, "scale_before": 1024.0, "scale_after": 512.0,
+                          "skipped": True, "overflow": None}
+    assert [r["skipped"] for r in records] == [True, False, False]
+
+
+def test_collapsing_scale_is_warned_once(caplog):
+    net = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = amp_patch.initialize(net, opt, verbosity=0)
+    with caplog.at_level(logging.WARNING, logger="amp_patch"):
+        for _ in range(20):  # 2**16 halves below 1 after 17 overflows
+            with amp_patch.scale_loss(net(torch.full((1, 2), float("nan"))).float().sum(), opt) as scaled:
+                scaled.backward()
+    collapse = [r for r in caplog.records if "collapsed" in r.getMessage()]
+    assert len(collapse) == 1 and "diagnose_overflow=True" in collapse[0].getMessage()
+
+
+class TinyTransformer(torch.nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(d, d) for _ in range(3))
+        self.norm = torch.nn.LayerNorm(d)
+        self.out = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.norm(x)
+        attn = F.softmax(self.q(h) @ self.k(h).transpose(-1, -2), dim=-1)
+        return x + self.out(attn @ self.v(h))
+
+
+def test_trace_of_one_iteration():
+    model = TinyTransformer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O1", verbosity=0)
+    x = torch.randn(2, 3, 8)
+    with amp_patch.trace() as t:
+        loss = model(x).float().pow(2).mean()
+        with amp_patch.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    rows = t.report()
+    by_op = {}
+    for row in rows:
+        agg = by_op.setdefault(row["qualname"], {"calls": 0, "misses": 0, "category": row["category"],
+                                                 "out": set()})
+        agg["calls"] += row["calls"]
+        agg["misses"] += row["cache_misses"]
+        agg["out"].update(row["output_dtypes"])
+    assert by_op["torch.nn.functional.linear"] == {"calls": 4, "misses": 8, "category": "half", "out": {"float16"}}
+    assert by_op["torch.nn.functional.softmax"]["calls"] == 1 and by_op["torch.nn.functional.softmax"]["out"] == {
+        "float32"}
+    assert by_op["torch.nn.functional.layer_norm"]["calls"] == 1
+    assert by_op["torch.nn.functional.layer_norm"]["category"] == "float"
+    distinct_half_weights = sum(p.numel() > 0 for m in (model.q, model.k, model.v, model.out)
+                                for p in m.parameters())
+    assert sum(row["cache_misses"] for row in rows) == distinct_half_weights == 8
+    modules = {row["module"] for row in rows if row["qualname"] == "torch.nn.functional.linear"}
+    assert modules == {"q", "k", "v", "out"}
+    assert "torch.nn.functional.linear" in t.to_markdown() and '"rows"' in t.to_json()
+
+
+def test_trace_counts_unpatched_calls_on_half_tensors():
+    with amp_patch.autocast():
+        with amp_patch.trace() as t:
+            torch.relu(torch.mm(torch.randn(2, 2), torch.randn(2, 2)))
+    assert {"qualname": "torch.relu", "calls_on_half": 1} in t.unpatched_report()
+
+
+def test_trace_and_diagnosis_leave_nothing_behind():
+    net = Net()
+    before_wrappers = F.linear
+    amp_patch.initialize(net, opt_level="O1", diagnose_overflow=True, verbosity=0)
+    with amp_patch.trace():
+        net(torch.randn(1, 4))
+    assert getattr(F.linear, "_amp_patch_entry", None) is not None
+    amp_patch.deinitialize()
+    assert F.linear is before_wrappers
+    assert all(not m._forward_hooks for m in net.modules())
+    assert not torch.nn.modules.module._global_forward_hooks
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
+def test_trace_needs_casting():
+    with pytest.raises(amp_patch.UsageError, match="needs O1 casting"):
+        with amp_patch.trace():
+            pass

@@ -30,10 +30,9 @@ class OptimizerState:
         self._master_ids = set()
         self.skip_next = False
         self.last_skipped = False
-        self.pending_scaler = None  # grads currently scaled by this scaler (delay_unscale)
+        self.pending_scaler = None  # param grads are currently scaled by this scaler (inside scale_loss, or delayed)
         self.pending_inf = False
         self.masters_stale = False
-        self._stash = {}
         self._known_groups = 0
         self._original_params = [list(g["params"]) for g in optimizer.param_groups]
         self._sync_groups(fp32_data or {})
@@ -81,34 +80,34 @@ class OptimizerState:
 
     # -- scale_loss protocol --------------------------------------------------------------------
     def before_backward(self, scaler):
-        """Called on entering scale_loss: park already-unscaled grads so new scaled ones don't mix with them."""
+        """Entering scale_loss: bring grads already in ``param.grad`` to ``scaler``'s scale.
+
+        Grads stay in ``param.grad`` (so DDP's reducer sees the whole accumulation, also
+        inside ``no_sync``); unscaled ones are multiplied by the scale (a power of two:
+        exact), grads left scaled by another scaler (``delay_unscale``) are unscaled first.
+        """
         self._sync_groups()
-        if self.pending_scaler is not None and self.pending_scaler is not scaler:
+        if self.pending_scaler is scaler:
+            return
+        if self.pending_scaler is not None:
             self.pending_inf |= self._unscale(self.pending_scaler)
-            self.pending_scaler = None
-        if self.pending_scaler is None:
-            for p in self._grad_params():
-                if p.grad is not None:
-                    self._stash[id(p)] = p.grad
-                    p.grad = None
+        grads = [p.grad for p in self._grad_params() if p.grad is not None]
+        if grads and scaler.scale != 1.0:
+            _rescale(grads, scaler.scale)
+        self.pending_scaler = scaler
 
     def after_backward(self, scaler, delay_unscale):
-        """Called on leaving scale_loss: unscale (unless delayed) and return whether grads overflowed."""
+        """Leaving scale_loss: unscale (unless delayed) and return whether grads overflowed."""
         if delay_unscale:
-            self.pending_scaler = scaler
             return False
         found = self._unscale(scaler) or self.pending_inf
         self.pending_scaler, self.pending_inf = None, False
         return found
 
     def _unscale(self, scaler):
-        """grads/scale into their accumulators (stash or master grads); returns found_inf."""
-        grads, outs, sinks = [], [], []
-        for p in self._grad_params():
-            if p.grad is not None:
-                grads.append(p.grad)
-                outs.append(self._stash.pop(id(p), None))
-                sinks.append(p)
+        """param grads /= scale in place; half model grads /= scale into the fp32 master grads. found_inf?"""
+        grads = [p.grad for p in self._grad_params() if p.grad is not None]
+        found = scaler.unscale_grads(grads) if grads else False
         master_grads, master_outs, masters = [], [], []
         for model_p, master in self.pairs:
             if model_p.grad is not None:
@@ -116,38 +115,16 @@ class OptimizerState:
                 master_outs.append(None if self.masters_stale else master.grad)
                 masters.append((model_p, master))
         self.masters_stale = False
-        found = self._unscale_into(scaler, grads, outs, sinks)
         if master_grads:
             found |= scaler.unscale_grads(master_grads, out=master_outs)
             for (model_p, master), g in zip(masters, master_outs):
                 master.grad, model_p.grad = g, None
-        self._restore_stash()
         return bool(found)
-
-    @staticmethod
-    def _unscale_into(scaler, grads, outs, sinks):
-        inplace = [g for g, o in zip(grads, outs) if o is None]
-        found = scaler.unscale_grads(inplace) if inplace else False
-        pairs = [(g, o, p) for g, o, p in zip(grads, outs, sinks) if o is not None]
-        if pairs:
-            accum = [o for _, o, _ in pairs]
-            found |= scaler.unscale_grads([g for g, _, _ in pairs], out=accum)
-            for (_, _, p), o in zip(pairs, accum):
-                p.grad = o
-        return found
-
-    def _restore_stash(self):
-        """Stashed grads whose param got no new grad go back unchanged."""
-        if self._stash:
-            for p in self._grad_params():
-                if id(p) in self._stash:
-                    p.grad = self._stash.pop(id(p))
-            self._stash.clear()
 
     # -- step hooks -----------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs):
         self._sync_groups()
-        if self.pending_scaler is not None:  # delay_unscale on the last backward: finish it now
+        if self.pending_scaler is not None:  # the last backward was delayed (or raised): finish it now
             scaler = self.pending_scaler
             found = distributed.agree_overflow(self.after_backward(scaler, False))
             if scaler.update(found):
@@ -181,3 +158,12 @@ class OptimizerState:
         model_of = {id(m): p for p, m in self.pairs}
         for group in self.optimizer.param_groups:
             group["params"] = [model_of.get(id(p), p) for p in group["params"]]
+
+
+def _rescale(grads, factor):
+    dense = [g for g in grads if not g.is_sparse]
+    if dense:
+        torch._foreach_mul_(dense, factor)
+    for g in grads:
+        if g.is_sparse:
+            g.mul_(factor)

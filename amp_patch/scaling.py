@@ -28,7 +28,9 @@ def _optimizer_list(optimizers):
 def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, delay_overflow_check=False):
     """Yield ``loss.float() * scale``; on exit unscale grads, check for inf/NaN and update the loss's scaler.
 
-    ``model`` and ``delay_overflow_check`` are accepted for Apex compatibility and ignored.
+    ``model`` (optional): the DDP-wrapped model; under master weights a non-delayed exit inside its
+    ``no_sync()`` is refused (those grads would leave ``param.grad`` before DDP reduces them).
+    ``delay_overflow_check`` is accepted for Apex compatibility and ignored.
     """
     session = current_session("scale_loss")
     if not session.enabled:
@@ -36,6 +38,8 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
         return
     scaler = session.scaler(loss_id)
     states = [session.state_for(opt) for opt in _optimizer_list(optimizers)]
+    if model is not None and any(state.pairs for state in states):
+        distributed.check_unscale_inside_no_sync(model, delay_unscale)
     for state in states:
         state.before_backward(scaler)
     yield loss.float() * scaler.scale
@@ -48,6 +52,8 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
 
 
 def _finish_step(session, scaler, loss_id, states, found_inf):
+    if states and all(state.skip_next for state in states):
+        return  # a later micro-batch of a step already doomed by an overflow: the step counts once
     before = scaler.scale
     skip = scaler.update(found_inf)
     if skip:

@@ -170,7 +170,7 @@ def _consistency_run(rank, level):
         amp_patch.deinitialize()
 
 
-def consistency(rank, world, levels=("O1", "O2"), control_levels=("O1",)):
+def consistency(rank, world, levels=("O1", "O2"), control_levels=("O1", "O2")):
     """Train through CONSISTENCY_PLAN under DDP per level; then again with the overflow flag *not* agreed
     across ranks (control: shows which iteration depends on agree_overflow)."""
     results = {level: _consistency_run(rank, level) for level in levels}

@@ -98,6 +98,7 @@ def test_collapsing_scale_is_warned_once(caplog):
         for _ in range(20):  # 2**16 halves below 1 after 17 overflows
             with amp_patch.scale_loss(net(torch.full((1, 2), float("nan"))).float().sum(), opt) as scaled:
                 scaled.backward()
+            opt.step()
     collapse = [r for r in caplog.records if "collapsed" in r.getMessage()]
     assert len(collapse) == 1 and "diagnose_overflow=True" in collapse[0].getMessage()
 

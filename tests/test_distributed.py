@@ -76,14 +76,17 @@ def test_ranks_end_bitwise_identical(consistency, level):
 
 
 def test_agree_overflow_decides_where_ddp_does_not_propagate(consistency):
-    """Control run with the flag *not* agreed: ranks still agree wherever DDP's all-reduce carries the inf/NaN
-    (synced backward, no_sync + delay_unscale, delayed unscale finished by step()), and part ways exactly at
-    the iteration that unscales inside no_sync, where the overflow stays local to rank 1."""
-    rank0, rank1 = (r["control"]["O1"]["history"] for r in consistency)
+    """Control runs with the flag *not* agreed. Under O1 the grads of a micro-batch unscaled inside no_sync stay
+    in param.grad, so the synced backward's all-reduce carries rank 1's inf to rank 0 and the ranks agree anyway.
+    Under O2 that micro-batch's grads move into the fp32 master grads, which DDP never reduces: the overflow stays
+    local to rank 1 and only agree_overflow makes rank 0 skip the same step."""
     local = next(i for i, (name, _) in enumerate(w.CONSISTENCY_PLAN) if "only agree_overflow" in name)
-    assert rank0[:local] == rank1[:local]
-    assert rank0[local][0] is False and rank1[local][0] is True
-    assert rank0[local][1] != rank1[local][1]
+    o1_rank0, o1_rank1 = (r["control"]["O1"]["history"] for r in consistency)
+    assert o1_rank0 == o1_rank1 and o1_rank0[local][0] is True
+    o2_rank0, o2_rank1 = (r["control"]["O2"]["history"] for r in consistency)
+    assert o2_rank0[:local] == o2_rank1[:local]
+    assert o2_rank0[local][0] is False and o2_rank1[local][0] is True
+    assert o2_rank0[local][1] != o2_rank1[local][1]
 
 
 # -- DDP at every opt level, accumulation == DDP, logging, master sync --------------------------------

@@ -252,3 +252,18 @@ class TestO2:
         model = amp_patch.initialize(Net(), opt_level="O2", verbosity=0)
         out = model(torch.randn(1, 2))
         assert type(out) is Out and out["logits"].dtype is torch.float32
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_overflow_in_one_micro_batch_counts_once_and_skips_the_step(level):
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level=level, max_loss_scale=2.0 ** 10, verbosity=0)
+    before = [p.detach().clone() for p in amp_patch.master_params(opt)]
+    for i, (x, y) in enumerate(_batches(3)):
+        with amp_patch.scale_loss(F.mse_loss(model(x * float("inf") if i == 0 else x).float(), y), opt) as scaled:
+            scaled.backward()
+    opt.step()
+    assert amp_patch.last_step_skipped(opt) and amp_patch.loss_scale() == 2.0 ** 9
+    assert all(torch.equal(a, b) for a, b in zip(before, amp_patch.master_params(opt)))
+    assert [r["skipped"] for r in amp_patch.history()] == [True]

@@ -46,6 +46,11 @@ def agree_overflow(found_inf, device=None):
     return bool(flag.item())
 
 
+def world_size():
+    dist = _world()
+    return dist.get_world_size() if dist is not None else 1
+
+
 def rank():
     dist = _world()
     return dist.get_rank() if dist is not None else 0

@@ -1,5 +1,6 @@
 """scale_loss: the per-iteration protocol between backward, the scalers and the optimizers."""
 import contextlib
+import warnings
 
 import torch
 
@@ -40,6 +41,9 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
     states = [session.state_for(opt) for opt in _optimizer_list(optimizers)]
     if model is not None and any(state.pairs for state in states):
         distributed.check_unscale_inside_no_sync(model, delay_unscale)
+    if not session.masters_checked:
+        session.masters_checked = True
+        _warn_if_masters_diverged(states)
     for state in states:
         state.before_backward(scaler)
     yield loss.float() * scaler.scale
@@ -49,6 +53,17 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
     if not delay_unscale:
         _finish_step(session, scaler, loss_id, states, distributed.agree_overflow(found_inf))
     session.clear_cache()
+
+
+def _warn_if_masters_diverged(states):
+    """Once per session: under DDP + master weights, rank 0's half params may have replaced ours."""
+    if not any(state.pairs for state in states) or distributed.world_size() == 1:
+        return
+    if distributed.masters_out_of_sync():
+        warnings.warn("amp_patch: the fp32 master weights do not match the half model weights (DDP broadcast rank "
+                      "0's half params at construction, the masters kept this rank's values). Call "
+                      "amp_patch.distributed.broadcast_master_params() once after wrapping the model in DDP, or "
+                      "build identical weights on every rank.", RuntimeWarning, stacklevel=4)
 
 
 def _finish_step(session, scaler, loss_id, states, found_inf):

@@ -25,6 +25,7 @@ class Session:
         self.history = None  # diagnostics.StepHistory
         self.diagnoser = None  # diagnostics.OverflowDiagnoser (diagnose_overflow=True)
         self.last_overflow = None
+        self.masters_checked = False  # the one-time DDP master-weight check of scale_loss
         self.unreachable = []  # import-time bindings amp_patch cannot reach (reported)
 
     def scaler(self, loss_id):

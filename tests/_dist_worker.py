@@ -279,6 +279,25 @@ def master_sync(rank, world):
         amp_patch.deinitialize()
 
 
+def master_warning(rank, world):
+    """Same setup without broadcast_master_params: the first scale_loss warns on the rank whose masters are stale."""
+    import warnings
+
+    model = make_model(seed=rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=HALF, verbosity=0)
+    try:
+        ddp = DDP(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                with amp_patch.scale_loss(loss_of(ddp, torch.randn(2, 6), torch.randn(2, 3)), opt) as scaled:
+                    scaled.backward()
+        return [str(w.message) for w in caught if "master weights" in str(w.message)]
+    finally:
+        amp_patch.deinitialize()
+
+
 def no_sync_check(rank, world):
     """amp_patch.distributed.check_unscale_inside_no_sync on a real DDP module, in and out of no_sync()."""
     ddp = DDP(make_model())
@@ -296,7 +315,8 @@ def no_sync_check(rank, world):
 def misc(rank, world):
     """Several short checks in one launch (each process start costs seconds on 2 cores)."""
     return {"levels": ddp_levels(rank, world), "logging": logging_job(rank, world),
-            "master_sync": master_sync(rank, world), "no_sync_check": no_sync_check(rank, world)}
+            "master_sync": master_sync(rank, world), "no_sync_check": no_sync_check(rank, world),
+            "master_warning": master_warning(rank, world)}
 
 
 def fail_on_rank_1(rank, world):

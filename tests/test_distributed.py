@@ -193,6 +193,11 @@ def test_o2_masters_follow_ddp_only_after_broadcast_master_params(misc):
         assert_same(rank0[key], rank1[key], key)
 
 
+def test_stale_masters_are_warned_once_on_the_first_scale_loss(misc):
+    rank0, rank1 = (r["master_warning"] for r in misc)
+    assert rank0 == [] and len(rank1) == 1 and "broadcast_master_params()" in rank1[0]
+
+
 def test_unscaling_inside_no_sync_is_refused_when_the_model_is_known(misc):
     """The check for scale_loss(model=ddp_model): inside no_sync() only delay_unscale=True keeps ranks equal."""
     for rank in misc:

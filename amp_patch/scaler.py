@@ -130,8 +130,23 @@ def _check_and_unscale_group(tensors, found, inv_tensor, inv_scale):
     torch._foreach_mul_(tensors, inv_scale)
 
 
+def _any_nonfinite(groups):
+    """Scale 1.0 (e.g. bf16): nothing to multiply, only the check. A per-tensor fp32 sum is non-finite iff the
+    tensor holds inf/NaN (barring a sum beyond 3.4e38 of finite values): one read pass instead of read+write."""
+    flags = []
+    for device, by_dtype in groups.items():
+        sums = [t.sum(dtype=torch.float32) for tensors in by_dtype.values() for t in tensors]
+        flags.append(torch.isfinite(torch.stack(sums)).all().logical_not().reshape(1))
+    if len(flags) > 1:
+        first = flags[0].device
+        flags = [torch.cat([f.to(first) for f in flags]).any()]
+    return bool(flags[0].item()) if flags else False
+
+
 def _unscale_groups(groups, scale):
     """Unscale every tensor of ``groups`` in place; one host sync for the found-inf flag."""
+    if scale == 1.0:
+        return _any_nonfinite(groups)
     inv_scale = 1.0 / scale
     founds = []
     for device, by_dtype in groups.items():

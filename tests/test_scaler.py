@@ -474,3 +474,18 @@ def test_accepted_spellings():
     assert LossScaler(growth_interval=3.0).state_dict()["growth_interval"] == 3
     assert not math.isnan(LossScaler("2.5").scale)
     assert repr(LossScaler(8.0, loss_id=1)) == "LossScaler(loss_id=1, static, scale=8.0, steps=0, skipped_steps=0)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_scale_one_checks_without_touching_grads(dtype):
+    """A static 1.0 scale only checks (one read pass); large finite half grads must not look like overflow."""
+    scaler = LossScaler(1.0)
+    big = torch.full((1000,), 60000.0, dtype=dtype)  # its fp16 sum would overflow; the fp32 sum does not
+    small = torch.randn(7, dtype=dtype)
+    before = [big.clone(), small.clone()]
+    assert scaler.unscale_grads([big, small]) is False
+    assert torch.equal(big, before[0]) and torch.equal(small, before[1])
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        poisoned = small.clone()
+        poisoned[3] = bad
+        assert scaler.unscale_grads([big, poisoned]) is True

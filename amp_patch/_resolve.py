@@ -44,11 +44,11 @@ def resolve_target(target):
                           f"torch. may be patched (e.g. {', '.join(KNOWN_TARGETS[:4])})")
     obj = torch
     for i, part in enumerate(target.split(".")[1:], start=2):
-        nxt = getattr(obj, part, None)
+        nxt = _getattr(obj, part)
         if nxt is None:
             try:
                 nxt = importlib.import_module(".".join(target.split(".")[:i]))
-            except ImportError:
+            except Exception:  # noqa: BLE001 - ImportError, or whatever a torch submodule raises on import
                 raise ConfigError(f"target {target!r} does not exist in torch {torch.__version__}; "
                                   f"known targets: {', '.join(KNOWN_TARGETS)}") from None
         obj = nxt
@@ -81,7 +81,15 @@ def lookup(owner, name):
             if name in vars(klass):
                 return vars(klass)[name]
         return None
-    return getattr(owner, name, None)
+    return _getattr(owner, name)
+
+
+def _getattr(obj, name):
+    # Some torch namespaces (torch.classes, torch.ops.<ns>) raise RuntimeError, not AttributeError, for unknown names.
+    try:
+        return getattr(obj, name, None)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def resolve_name(target, owner, name):

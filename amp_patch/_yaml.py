@@ -89,8 +89,15 @@ def load(text, path):
             loader.dispose()
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
+        if exc.context_mark is not None and mark.index >= len(text.rstrip()):
+            mark = exc.context_mark  # "unexpected end of stream": point at what was left open, not past the end
         line = mark.line + 1 if mark is not None else None
-        problem = exc.problem or exc.context or "invalid YAML"
+        problem = ", ".join(p for p in (exc.context, exc.problem) if p) or "invalid YAML"
         raise OpListError(path, line, f"invalid YAML: {problem}") from None
+    except yaml.reader.ReaderError as exc:  # unmarked, but its position indexes ``text``
+        line = text.count("\n", 0, exc.position) + 1 if isinstance(text, str) else None
+        raise OpListError(path, line, f"invalid YAML: {exc.reason} (character {exc.character!r})") from None
     except yaml.YAMLError as exc:
         raise OpListError(path, None, f"invalid YAML: {exc}") from None
+    except RecursionError:
+        raise OpListError(path, None, "invalid op list: YAML nested too deeply") from None

@@ -20,7 +20,7 @@ log = logging.getLogger("amp_patch")
 
 CATEGORIES = ("half", "float", "promote", "sequence_promote", "banned")
 _TOP_KEYS = ("description", "schema_version", "extends", "add", "remove") + CATEGORIES
-_ENTRY_KEYS = ("name", "optional", "min_torch", "max_torch", "message", "note")
+_ENTRY_KEYS = ("name", "optional", "min_torch", "max_torch", "message", "strict", "note")
 DEFAULT_BANNED_MESSAGE = ("{qualname} is banned under amp_patch: it is unsafe in {dtype}. "
                           "Remove it from the op list's 'banned' category, or pass allow_banned=True to run it in float32.")
 
@@ -35,6 +35,7 @@ class OpEntry:
     path: str
     line: int
     message: str = None
+    strict: bool = False  # banned only: raise on any input, not only when an argument is half
 
     @property
     def qualname(self):
@@ -116,8 +117,9 @@ def _read_path(spec, relative_to=None):
     try:
         with open(path, encoding="utf-8") as f:
             return f.read(), path, os.path.dirname(os.path.abspath(path))
-    except OSError as exc:
-        raise ConfigError(f"op list file {path!r} cannot be read ({exc.strerror}); pass an existing YAML file "
+    except (OSError, ValueError) as exc:  # ValueError: embedded null byte
+        reason = getattr(exc, "strerror", None) or exc
+        raise ConfigError(f"op list file {path!r} cannot be read ({reason}); pass an existing YAML file "
                           f"or a shipped name ({', '.join(shipped_names())})") from None
 
 
@@ -213,7 +215,7 @@ class _Document:
                     " (did you mean 'half'?)" if key in ("fp16", "bf16", "float16", "lower_precision_fp") else "")
                 raise self.error(line, f"unknown key {key!r}{hint}; allowed keys: {', '.join(_TOP_KEYS)}", key)
         version = self.doc.get("schema_version", 1)
-        if version != 1 or isinstance(version, bool):
+        if version != 1 or type(version) is not int:
             raise self.error(self.doc.key_lines.get("schema_version"),
                              f"schema_version {version!r} is not supported; this amp_patch reads schema_version 1")
         if "description" in self.doc and not isinstance(self.doc["description"], str):
@@ -270,7 +272,8 @@ class _Document:
 
     def _entry(self, category, target, owner, item, line):
         spec = self._entry_spec(category, target, item, line)
-        entry = OpEntry(target, spec["name"], category, self.path, line, spec.get("message"))
+        entry = OpEntry(target, spec["name"], category, self.path, line, spec.get("message"),
+                        spec.get("strict", False))
         skip_reason = _version_skip(spec)
         if skip_reason:
             self.skipped.append(SkippedEntry(entry, skip_reason))
@@ -304,12 +307,19 @@ class _Document:
             raise self.error(line, f"{name}: optional must be true or false, got {item['optional']!r}", name)
         if "message" in item and (category != "banned" or not isinstance(item["message"], str)):
             raise self.error(line, f"{name}: 'message' is a string and only allowed on banned entries", name)
+        if "strict" in item and (category != "banned" or not isinstance(item["strict"], bool)):
+            raise self.error(line, f"{name}: 'strict' is true or false and only allowed on banned entries", name)
         for key in ("min_torch", "max_torch"):
             if key in item:
+                # TorchVersion falls back to *string* comparison for invalid versions, so parse explicitly; floats
+                # are rejected because YAML reads 2.10 as 2.1.
                 try:
-                    torch.torch_version.TorchVersion(torch.__version__) < str(item[key])
+                    if not isinstance(item[key], (str, int)) or isinstance(item[key], bool):
+                        raise TypeError(item[key])
+                    torch.torch_version.Version(str(item[key]))
                 except Exception:  # noqa: BLE001 - packaging raises its own InvalidVersion
-                    raise self.error(line, f"{name}: {key} {item[key]!r} is not a version such as '2.1'", name) from None
+                    raise self.error(line, f"{name}: {key} {item[key]!r} is not a version string such as "
+                                     '"2.1" (quote it)', name) from None
 
     def _apply_remove(self, entries, block, line):
         if not isinstance(block, _yaml.Map):
@@ -319,6 +329,9 @@ class _Document:
             if not isinstance(names, _yaml.Seq):
                 raise self.error(tline, f"remove.{target} must be a list of names", target)
             for name, nline in zip(names, names.item_lines):
+                if not isinstance(name, str):
+                    raise self.error(nline or tline, f"remove.{target}: {name!r} is not a name; list plain op names",
+                                     name)
                 if (target, name) not in entries:
                     raise self.error(nline or tline, f"cannot remove {target}.{name}: the base list does not "
                                      "contain it (check the spelling and the target)", name)

@@ -1,0 +1,7 @@
+"""``python -m amp_patch ...`` runs the ``amp-patch`` command line (see :mod:`amp_patch.cli`)."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The ``amp-patch`` command line (``python -m amp_patch`` does the same).
+
+Subcommands built in here:
+
+    amp-patch validate FILE_OR_NAME...   load and check op lists; exit 0 if all are valid, 1 otherwise
+    amp-patch lists                      the shipped op lists and their entry counts
+
+Importing this module reads no YAML and patches nothing; work starts when :func:`main` runs a subcommand.
+
+Adding a subcommand
+-------------------
+A subcommand is a function ``add(subparsers)`` that calls ``subparsers.add_parser(NAME, help=...)``, adds its
+arguments and sets ``parser.set_defaults(func=handler)``, where ``handler(args) -> int`` returns the exit status.
+
+- Built into this module: write ``_add_NAME`` and list it in :data:`SUBCOMMANDS`.
+- In its own module (preferred for anything heavy): give the module a top-level ``add_parser(subparsers)`` with
+  the contract above and list the module in :data:`HOOKS`. The module is imported only when :func:`main` builds
+  the parser, so keep its top-level imports cheap; a hook module that does not exist (yet) is skipped, one that
+  fails to import is reported on stderr and skipped, so the other subcommands keep working.
+"""
+import argparse
+import importlib
+import os
+import sys
+
+# name -> add(subparsers); see "Adding a subcommand" above.
+SUBCOMMANDS = {}
+
+# Subcommand modules, imported lazily by build_parser(). Each defines add_parser(subparsers).
+HOOKS = {
+    "experiment": "amp_patch.experiment",  # amp-patch experiment: fp32 vs O1/O2/O3 vs native autocast
+    "run": "amp_patch.legacy",             # amp-patch run train.py: run an Apex script unchanged
+    "trace": "amp_patch.trace",            # amp-patch trace: which ops ran in which dtype
+}
+
+
+def _subcommand(name):
+    def register(add):
+        SUBCOMMANDS[name] = add
+        return add
+    return register
+
+
+# ------------------------------------------------------------------------------------------------ validate
+
+@_subcommand("validate")
+def _add_validate(subparsers):
+    parser = subparsers.add_parser(
+        "validate", help="check op-list YAML files (or shipped list names)",
+        description="Load each op list the way initialize(op_lists=...) would, resolving every entry against "
+                    "the installed torch. Prints one summary line per list (entries per category) and the "
+                    "version-dependent entries this torch skips. Errors go to stderr as 'path:line: message'. "
+                    "Exit status: 0 when every list is valid, 1 otherwise.")
+    parser.add_argument("specs", nargs="+", metavar="FILE_OR_NAME",
+                        help="a YAML file, or a shipped list name (see 'amp-patch lists')")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print errors only")
+    parser.set_defaults(func=_run_validate)
+    return parser
+
+
+def _spec_for(arg):
+    """A bare name that is an existing file but not a shipped list is the file (``mylist`` -> ``./mylist``)."""
+    from .oplist import _looks_like_path, shipped_names
+    if not _looks_like_path(arg) and arg not in shipped_names() and os.path.isfile(arg):
+        return os.path.join(os.curdir, arg)
+    return arg
+
+
+def _counts_text(table):
+    return ", ".join(f"{category} {count}" for category, count in table.counts().items())
+
+
+def _run_validate(args):
+    from .errors import AmpPatchError, OpListError
+    from .oplist import load_op_lists
+    failed = 0
+    for arg in args.specs:
+        try:
+            table = load_op_lists(_spec_for(arg))
+        except OpListError as exc:
+            failed += 1
+            print(str(exc), file=sys.stderr)  # already 'path:line: message'
+            continue
+        except AmpPatchError as exc:  # unreadable file, unknown shipped name
+            failed += 1
+            print(f"{arg}: {exc}", file=sys.stderr)
+            continue
+        if args.quiet:
+            continue
+        skipped = f"; {len(table.skipped)} skipped on torch {_torch_version()}" if table.skipped else ""
+        print(f"{arg}: OK, {len(table)} entries ({_counts_text(table)}){skipped}")
+        for item in table.skipped:
+            entry = item.entry
+            print(f"  skipped {entry.category} {entry.qualname} ({entry.path}:{entry.line}): {item.reason}")
+    if failed:
+        print(f"amp-patch validate: {failed} of {len(args.specs)} op list(s) invalid", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _torch_version():
+    import torch
+    return torch.__version__
+
+
+# ------------------------------------------------------------------------------------------------ lists
+
+@_subcommand("lists")
+def _add_lists(subparsers):
+    parser = subparsers.add_parser("lists", help="list the shipped op lists with their entry counts",
+                                   description="Print each shipped op list name (usable as op_lists=NAME, "
+                                               "'extends: NAME' and 'amp-patch validate NAME') with its entries "
+                                               "per category on this torch.")
+    parser.set_defaults(func=_run_lists)
+    return parser
+
+
+def _run_lists(args):
+    from .errors import AmpPatchError
+    from .oplist import load_op_lists, shipped_names
+    names = shipped_names()
+    width = max((len(n) for n in names), default=0)
+    status = 0
+    for name in names:
+        try:
+            table = load_op_lists(name)
+        except AmpPatchError as exc:
+            print(str(exc), file=sys.stderr)
+            status = 1
+            continue
+        print(f"{name:<{width}}  {len(table):4d} entries ({_counts_text(table)})")
+    return status
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+def build_parser():
+    """The ``amp-patch`` parser: built-in subcommands, then those of the importable :data:`HOOKS` modules."""
+    from . import __version__
+    parser = argparse.ArgumentParser(prog="amp-patch", description="amp_patch: Apex-style mixed precision "
+                                     "for PyTorch driven by YAML op lists.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in SUBCOMMANDS.values():
+        add(subparsers)
+    for name, module_name in HOOKS.items():
+        module = _import_hook(name, module_name)
+        if module is not None:
+            module.add_parser(subparsers)
+    return parser
+
+
+def _import_hook(name, module_name):
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module_name.startswith(exc.name):
+            return None  # not written yet / not installed: no such subcommand
+        return _hook_failed(name, module_name, exc)
+    except Exception as exc:  # noqa: BLE001 - a broken optional module must not take 'validate' down with it
+        return _hook_failed(name, module_name, exc)
+    if not callable(getattr(module, "add_parser", None)):
+        return _hook_failed(name, module_name, "it has no add_parser(subparsers)")
+    return module
+
+
+def _hook_failed(name, module_name, why):
+    print(f"amp-patch: subcommand {name!r} unavailable: {module_name} failed to import ({why})", file=sys.stderr)
+    return None
+
+
+def main(argv=None):
+    """Run ``amp-patch`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, bad arguments: argparse has printed what it had to say
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover - python -m amp_patch.cli
+    sys.exit(main())

@@ -5,7 +5,7 @@ Mappings load as :class:`Map` and sequences as :class:`Seq`; both record the
 can start with ``path:line``. Tags (``!!python/...``, ``!custom``), anchors and
 aliases, duplicate keys and non-string keys are errors.
 """
-import yaml
+import functools
 
 from .errors import OpListError
 
@@ -31,12 +31,6 @@ def _line(node):
     return node.start_mark.line + 1
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader whose containers carry line numbers."""
-
-    path = "<yaml>"
-
-
 def _construct_seq(loader, node):
     seq = Seq(loader.construct_object(child, deep=True) for child in node.value)
     seq.line = _line(node)
@@ -60,11 +54,21 @@ def _construct_map(loader, node):
     return mapping
 
 
-_Loader.add_constructor("tag:yaml.org,2002:seq", _construct_seq)
-_Loader.add_constructor("tag:yaml.org,2002:map", _construct_map)
+@functools.lru_cache(maxsize=None)
+def _loader_class():
+    """The SafeLoader subclass whose containers carry line numbers (built on first use: importing amp_patch
+    must not import yaml)."""
+    import yaml
+
+    class _Loader(yaml.SafeLoader):
+        path = "<yaml>"
+
+    _Loader.add_constructor("tag:yaml.org,2002:seq", _construct_seq)
+    _Loader.add_constructor("tag:yaml.org,2002:map", _construct_map)
+    return _Loader
 
 
-def _reject_tags_and_aliases(text, path):
+def _reject_tags_and_aliases(yaml, text, path):
     """Walk the event stream: explicit tags, anchors and aliases are not plain data."""
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         line = event.start_mark.line + 1
@@ -79,9 +83,11 @@ def _reject_tags_and_aliases(text, path):
 
 def load(text, path):
     """Parse ``text`` (from ``path``, used in messages) into Map/Seq/scalars."""
+    import yaml
+
     try:
-        _reject_tags_and_aliases(text, path)
-        loader = _Loader(text)
+        _reject_tags_and_aliases(yaml, text, path)
+        loader = _loader_class()(text)
         loader.path = str(path)
         try:
             return loader.get_single_data()

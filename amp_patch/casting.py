@@ -291,14 +291,20 @@ def banned_wrapper(original, entry, ctx):
     message = entry.message or ("{qualname} is banned under amp_patch. Pass allow_banned=True to run it in "
                                 "float32, or remove it from the op list's banned category.")
     message = f"{message.replace('{qualname}', entry.qualname)} (banned by {entry.path}:{entry.line})"
-    disabled = ctx.disabled
+    disabled, strict = ctx.disabled, entry.strict
 
     def wrapper(*args, **kwargs):
-        if disabled and _get_ident() in disabled:
-            return original(*args, **kwargs)
+        if disabled and _get_ident() in disabled or not (strict or _has_half(args, kwargs)):
+            return original(*args, **kwargs)  # banned only on half input (Apex): fp32 callers are fine
         raise BannedOpError(message)
 
     return _finish(wrapper, original, entry)
+
+
+def _has_half(args, kwargs):
+    found = []
+    cast_tree((args, kwargs), lambda t: found.append(t.dtype in HALF_DTYPES) or t)
+    return any(found)
 
 
 def is_inplace_name(name):

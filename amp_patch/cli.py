@@ -30,7 +30,7 @@ SUBCOMMANDS = {}
 HOOKS = {
     "experiment": "amp_patch.experiment",  # amp-patch experiment: fp32 vs O1/O2/O3 vs native autocast
     "run": "amp_patch.legacy",             # amp-patch run train.py: run an Apex script unchanged
-    "trace": "amp_patch.trace",            # amp-patch trace: which ops ran in which dtype
+    "trace": "amp_patch.trace_cli",        # amp-patch trace: which ops ran in which dtype
 }
 
 

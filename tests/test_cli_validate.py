@@ -152,7 +152,22 @@ def test_registry_and_hooks_are_declared():
     assert {"validate", "lists"} <= set(cli.SUBCOMMANDS)
     assert cli.HOOKS["experiment"] == "amp_patch.experiment"
     assert cli.HOOKS["run"] == "amp_patch.legacy"
-    assert cli.HOOKS["trace"] == "amp_patch.trace"
+    assert cli.HOOKS["trace"] == "amp_patch.trace_cli"
+
+
+def test_every_hook_module_registers_its_subcommand():
+    import argparse
+
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(subparsers.choices) == set(cli.SUBCOMMANDS) | set(cli.HOOKS)
+
+
+def test_trace_subcommand_prints_the_table(capsys):
+    assert cli.main(["trace", "--model", "mlp", "--no-modules"]) == 0
+    out = capsys.readouterr().out
+    assert "| torch.nn.functional.linear | half | op_lists/apex.yaml:" in out
+    assert "torch.nn.functional.cross_entropy | float" in out
 
 
 def test_hook_module_adds_a_subcommand(monkeypatch, capsys):

@@ -182,3 +182,30 @@ def test_import_does_nothing(tmp_path):
             "assert not [m for m in sys.modules if m.startswith('yaml')], 'yaml imported'; "
             "assert amp_patch._state.current() is None")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
+
+
+def test_o2_keep_fp32_modules_and_cast_model_outputs():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.norm = torch.nn.LayerNorm(4)
+            self.out = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.norm(self.fc(x))
+            seen.append(h.dtype)
+            return self.out(h)
+
+    seen = []
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O2", keep_fp32_modules=(torch.nn.LayerNorm,),
+                                      cast_model_outputs=torch.float16, verbosity=0)
+    assert model.norm.weight.dtype is torch.float32 and model.fc.weight.dtype is torch.float16
+    assert model(torch.randn(3, 4)).dtype is torch.float16
+    assert seen == [torch.float16]  # back to half after the fp32 module, for the half layers after it
+    amp_patch.deinitialize()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert not model._state_dict_hooks and not model._load_state_dict_pre_hooks
+    assert model(torch.randn(3, 4)).dtype is torch.float32

@@ -29,9 +29,8 @@ def test_every_yaml_in_op_lists_ships_and_loads():
 def test_installed_package_serves_its_own_copy():
     """A non-editable install (the README/CI install) must find the lists inside the package itself."""
     package_dir = pathlib.Path(amp_patch.__file__).resolve().parent
-    shipped = pathlib.Path(str(oplist._shipped_dir())).resolve()
+    apex = pathlib.Path(str(oplist._shipped_dir() / "apex.yaml")).resolve()  # (a MultiplexedPath when installed)
     if package_dir.parent == REPO:  # running from the source checkout: op_lists/ beside the package
-        assert shipped == REPO / "op_lists"
+        assert apex == REPO / "op_lists" / "apex.yaml"
     else:
-        assert shipped == package_dir / "op_lists"
-        assert (shipped / "apex.yaml").is_file()
+        assert apex == package_dir / "op_lists" / "apex.yaml" and apex.is_file()

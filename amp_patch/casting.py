@@ -277,12 +277,24 @@ def inplace_wrapper(original, entry, ctx):
                             "an in-place op cannot change self's dtype. Use the out-of-place form on a float32 "
                             f"tensor (x = x.float().{entry.name.rstrip('_')}(...)), or remove {entry.name} from "
                             "the op list's float category.")
-        if dt not in FLOAT_DTYPES:
-            return original(self, *args, **kwargs)
+        if dt not in FLOAT_DTYPES or not _needs_cast(dt, args, kwargs):
+            return original(self, *args, **kwargs)  # the common case (e.g. optimizer math): nothing to cast
         cast = caster_to(dt)
         return original(self, *cast_args(cast, args), **cast_kwargs(cast, kwargs))
 
     return _finish(wrapper, original, entry)
+
+
+def _needs_cast(dtype, args, kwargs):
+    """Whether any argument is a floating tensor of another dtype (containers: assume yes)."""
+    for a in (args + tuple(kwargs.values())) if kwargs else args:
+        cls = type(a)
+        if cls in _TENSOR_TYPES:
+            if a.dtype is not dtype and a.dtype in FLOAT_DTYPES:
+                return True
+        elif cls not in _PLAIN_TYPES:
+            return True
+    return False
 
 
 def banned_wrapper(original, entry, ctx):

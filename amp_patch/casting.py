@@ -6,6 +6,7 @@ is a plain Python closure (dynamo traces those; it silently skips
 one thread-local read, one ``type()`` test per argument and a dtype test per
 tensor; the fp32 -> half cast of a weight is served from the cast cache.
 """
+import copy
 import functools
 import threading
 
@@ -51,7 +52,11 @@ _get_ident = threading.get_ident
 
 
 def cast_tree(x, cast):
-    """Apply ``cast`` to every tensor in ``x``, looking inside lists, tuples and dicts."""
+    """Apply ``cast`` to every tensor in ``x``, looking inside lists, tuples and dicts.
+
+    Containers keep their type: namedtuples, and dict subclasses such as HF's ModelOutput (copied, then
+    updated), which Apex's O2 turned into plain dicts.
+    """
     if isinstance(x, Tensor):
         return cast(x)
     if type(x) in _PLAIN_TYPES:
@@ -62,8 +67,25 @@ def cast_tree(x, cast):
             return type(x)(*items)
         return type(x)(items) if type(x) in (list, tuple) else items
     if isinstance(x, dict):
-        return {k: cast_tree(v, cast) for k, v in x.items()}
+        if type(x) is dict:
+            return {k: cast_tree(v, cast) for k, v in x.items()}
+        out = copy.copy(x)
+        for k, v in x.items():
+            out[k] = cast_tree(v, cast)
+        return out
     return x
+
+
+def iter_tensors(x):
+    """Every tensor in ``x`` (looking inside lists, tuples and dicts), in order."""
+    if isinstance(x, Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from iter_tensors(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from iter_tensors(v)
 
 
 def any_caster(cast):
@@ -314,9 +336,7 @@ def banned_wrapper(original, entry, ctx):
 
 
 def _has_half(args, kwargs):
-    found = []
-    cast_tree((args, kwargs), lambda t: found.append(t.dtype in HALF_DTYPES) or t)
-    return any(found)
+    return any(t.dtype in HALF_DTYPES for t in iter_tensors((args, kwargs)))
 
 
 def is_inplace_name(name):

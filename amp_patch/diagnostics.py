@@ -12,25 +12,14 @@ import logging
 
 import torch
 
+from .casting import iter_tensors
+
 log = logging.getLogger("amp_patch")
 
 _COLLAPSE_HINT = ("a loss scale stuck at its floor usually means a genuine inf/NaN in the forward pass, not fp16 "
                   "range: a log/div of zero, a sqrt of a negative, unnormalised inputs or targets, or too high a "
                   "learning rate. Try initialize(..., diagnose_overflow=True) and amp_patch.last_overflow() to find "
                   "the module, check the data, lower the LR, or keep the offending op in float (an op-list edit).")
-
-
-def _floating(out, found):
-    if isinstance(out, torch.Tensor):
-        if out.is_floating_point() and out.numel():
-            found.append(out)
-    elif isinstance(out, (list, tuple)):
-        for item in out:
-            _floating(item, found)
-    elif isinstance(out, dict):
-        for item in out.values():
-            _floating(item, found)
-    return found
 
 
 class OverflowDiagnoser:
@@ -48,7 +37,7 @@ class OverflowDiagnoser:
 
     def _hook(self, name):
         def hook(module, args, out):
-            tensors = _floating(out, [])
+            tensors = [t for t in iter_tensors(out) if t.is_floating_point() and t.numel()]
             if not tensors:
                 return
             entry = self.tracer.last_entry if self.tracer is not None else None

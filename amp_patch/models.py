@@ -5,11 +5,9 @@ undo it: forward pre-/post-hooks (no replaced ``forward`` attribute), and for
 master weights a state_dict post-hook (the model's state_dict holds the fp32
 master values) and a load_state_dict pre-hook (loading also updates the masters).
 """
-import copy
-
 import torch
 
-from .casting import FLOAT_DTYPES, HALF_DTYPES
+from .casting import FLOAT_DTYPES, HALF_DTYPES, cast_tree
 
 _BATCHNORM = (torch.nn.modules.batchnorm._BatchNorm,)
 
@@ -24,24 +22,6 @@ def _caster(dtype):
         return t.to(dtype=dtype)
 
     return cast
-
-
-def apply_tree(x, cast):
-    """Cast every tensor in ``x``; containers keep their type (dict subclasses such as HF ModelOutput too)."""
-    if isinstance(x, torch.Tensor):
-        return cast(x)
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(apply_tree(v, cast) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(apply_tree(v, cast) for v in x)
-    if isinstance(x, dict):
-        if type(x) is dict:
-            return {k: apply_tree(v, cast) for k, v in x.items()}
-        out = copy.copy(x)
-        for k, v in x.items():
-            out[k] = apply_tree(v, cast)
-        return out
-    return x
 
 
 class ModelPatch:
@@ -78,8 +58,8 @@ class ModelPatch:
         """Cast floating inputs of the model to ``input_dtype`` and its outputs to ``output_dtype``."""
         to_in, to_out = _caster(input_dtype), _caster(output_dtype)
         self.handles.append(self.model.register_forward_pre_hook(
-            lambda m, args, kwargs: (apply_tree(args, to_in), apply_tree(kwargs, to_in)), with_kwargs=True))
-        self.handles.append(self.model.register_forward_hook(lambda m, args, out: apply_tree(out, to_out)))
+            lambda m, args, kwargs: (cast_tree(args, to_in), cast_tree(kwargs, to_in)), with_kwargs=True))
+        self.handles.append(self.model.register_forward_hook(lambda m, args, out: cast_tree(out, to_out)))
         if input_dtype in HALF_DTYPES:
             self._keep_modules_fp32(keep_types, input_dtype)
 
@@ -92,9 +72,9 @@ class ModelPatch:
         for module in self.model.modules():
             if isinstance(module, extra):
                 self.handles.append(module.register_forward_pre_hook(
-                    lambda m, args, kwargs: (apply_tree(args, to_fp32), apply_tree(kwargs, to_fp32)),
+                    lambda m, args, kwargs: (cast_tree(args, to_fp32), cast_tree(kwargs, to_fp32)),
                     with_kwargs=True))
-                self.handles.append(module.register_forward_hook(lambda m, args, out: apply_tree(out, to_half)))
+                self.handles.append(module.register_forward_hook(lambda m, args, out: cast_tree(out, to_half)))
 
     def link_masters(self, masters):
         """state_dict() reports the fp32 masters; load_state_dict() also writes them."""

@@ -14,7 +14,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _state
-from .casting import HALF_DTYPES, make_to_half, make_wrapper
+from .casting import HALF_DTYPES, iter_tensors, make_to_half, make_wrapper
 from .errors import UsageError
 
 _FIELDS = ("qualname", "category", "source", "module", "calls", "input_dtypes", "output_dtypes", "casts",
@@ -42,16 +42,8 @@ def _fmt(counter):
     return sorted(",".join(str(d).replace("torch.", "") for d in key) or "-" for key in counter)
 
 
-def _dtypes(tree, out):
-    if isinstance(tree, torch.Tensor):
-        out.append(tree.dtype)
-    elif isinstance(tree, (list, tuple)):
-        for item in tree:
-            _dtypes(item, out)
-    elif isinstance(tree, dict):
-        for item in tree.values():
-            _dtypes(item, out)
-    return out
+def _dtypes(tree):
+    return [t.dtype for t in iter_tensors(tree)]
 
 
 class _TracedContext:
@@ -101,7 +93,7 @@ class Tracer:
         seen = []
 
         def reached(*args, **kwargs):
-            seen.append(_dtypes((args, kwargs), []))
+            seen.append(_dtypes((args, kwargs)))
             return original(*args, **kwargs)
 
         inner = make_wrapper(reached, entry, ctx, method=method)
@@ -109,7 +101,7 @@ class Tracer:
         def traced(*args, **kwargs):
             row, outer = self._row(entry), self.current
             row.calls += 1
-            given = _dtypes((args, kwargs), [])
+            given = _dtypes((args, kwargs))
             row.input_dtypes[tuple(given)] += 1
             self.current, hits, depth = row, row.cache_hits, len(seen)
             try:
@@ -119,7 +111,7 @@ class Tracer:
             if len(seen) > depth:
                 changed = sum(a is not b for a, b in zip(given, seen.pop()))
                 row.casts += max(changed - (row.cache_hits - hits), 0)
-            row.output_dtypes[tuple(_dtypes(out, []))] += 1
+            row.output_dtypes[tuple(_dtypes(out))] += 1
             self.last_entry = entry
             return out
 
@@ -169,7 +161,7 @@ class _UnpatchedCalls(TorchFunctionMode):
         if getattr(func, "__name__", "") == "__get__":  # tensor property reads (x.shape, x.T, ...)
             return func(*args, **kwargs)
         if id(func) not in self.originals and self.tracer.current is None:
-            if any(d in HALF_DTYPES for d in _dtypes((args, kwargs), [])):
+            if any(d in HALF_DTYPES for d in _dtypes((args, kwargs))):
                 self.tracer.unpatched[_qualname(func)] += 1
         return func(*args, **kwargs)
 

@@ -6,6 +6,7 @@ Written for NVIDIA Apex and left that way: run it unmodified with
 rank prints a checksum of its weights, which must agree across ranks.
 """
 import argparse
+import gc
 import os
 
 import torch
@@ -60,4 +61,6 @@ for step in range(args.steps):
 checksum = sum(p.detach().double().sum().item() for p in amp.master_params(optimizer))
 print(f"rank {rank} checksum {checksum:.10f}", flush=True)
 if args.distributed:
+    del model  # free the DDP module (it sits in reference cycles) before its process group goes away,
+    gc.collect()  # or torch 2.x with gloo can abort at exit ("terminate called without an active exception")
     dist.destroy_process_group()

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-import amp_patch
 from amp_patch.experiment.variants import CastCounter, make_variant
 
 VARIANTS = ("native", "O1", "O2")

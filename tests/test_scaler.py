@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import amp_patch.scaler as scaler_mod
+import amp_patch.unscale as unscale_mod
 from amp_patch.errors import ConfigError, UsageError
 from amp_patch.scaler import LossScaler, load_state_dict_into, state_dict_for, unscale_, unscale_into
 
@@ -181,14 +182,14 @@ def test_fallback_without_fused_kernel(monkeypatch):
     def missing(*args):
         raise NotImplementedError("no kernel for this backend")
 
-    monkeypatch.setattr(scaler_mod, "_NO_KERNEL", set())
+    monkeypatch.setattr(unscale_mod, "_NO_KERNEL", set())
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", missing)
     for dtype in HALF_DTYPES:
         g = torch.tensor([4.0, 8.0], dtype=dtype)
         assert unscale_([g], 4.0) is False
         assert torch.equal(g, torch.tensor([1.0, 2.0], dtype=dtype))
         assert unscale_([torch.tensor([1.0, NAN], dtype=dtype), g], 4.0) is True
-    assert scaler_mod._NO_KERNEL == {"cpu"}
+    assert unscale_mod._NO_KERNEL == {"cpu"}
 
 
 def test_sparse_grad_unscaled():

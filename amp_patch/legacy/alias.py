@@ -14,7 +14,6 @@ import importlib.abc
 import importlib.util
 import logging
 import sys
-import types
 
 from ..errors import UsageError
 from . import apex_amp

@@ -1,0 +1,137 @@
+"""Unscaling gradients: multiply by 1/scale and detect inf/NaN with at most one host sync per call.
+
+Grads are grouped by (device, dtype) for torch's fused ``_amp_foreach_non_finite_check_and_unscale_``;
+a static scale of 1.0 only checks (one read pass). ``unscale_into`` writes fp32 results into (or adds them
+to) separate tensors: the O2 master grads.
+"""
+import logging
+from collections.abc import MutableSequence
+
+import torch
+
+from amp_patch.errors import UsageError
+
+logger = logging.getLogger("amp_patch")
+_NO_KERNEL = set()  # device types where torch lacks _amp_foreach_non_finite_check_and_unscale_
+
+
+def _check_tensor(where, tensor):
+    if tensor is not None and not isinstance(tensor, torch.Tensor):
+        raise UsageError(f"{where} is a {type(tensor).__name__}; expected a torch.Tensor or None.")
+
+
+def _group(tensors):
+    """Return ``{device: {dtype: [tensor, ...]}}`` of the distinct tensors (sparse: their values)."""
+    groups, seen = {}, set()
+    for tensor in tensors:
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if tensor.is_sparse:
+            tensor = tensor._values()
+        groups.setdefault(tensor.device, {}).setdefault(tensor.dtype, []).append(tensor)
+    return groups
+
+
+def _check_and_unscale_group(tensors, found, inv_tensor, inv_scale):
+    device_type = tensors[0].device.type
+    if device_type not in _NO_KERNEL:
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_tensor)
+            return
+        except NotImplementedError:
+            _NO_KERNEL.add(device_type)
+            logger.debug("no fused unscale kernel for %s tensors; using the foreach fallback", device_type)
+    flags = torch.stack([torch.logical_not(torch.isfinite(t)).any() for t in tensors])
+    found.add_(flags.any().to(found.dtype))
+    torch._foreach_mul_(tensors, inv_scale)
+
+
+def _any_nonfinite(groups):
+    """Scale 1.0 (e.g. bf16): nothing to multiply, only the check. A per-tensor fp32 sum is non-finite iff the
+    tensor holds inf/NaN (barring a sum beyond 3.4e38 of finite values): one read pass instead of read+write."""
+    flags = []
+    for device, by_dtype in groups.items():
+        sums = [t.sum(dtype=torch.float32) for tensors in by_dtype.values() for t in tensors]
+        flags.append(torch.isfinite(torch.stack(sums)).all().logical_not().reshape(1))
+    if len(flags) > 1:
+        first = flags[0].device
+        flags = [torch.cat([f.to(first) for f in flags]).any()]
+    return bool(flags[0].item()) if flags else False
+
+
+def _unscale_groups(groups, scale):
+    """Unscale every tensor of ``groups`` in place; one host sync for the found-inf flag."""
+    if scale == 1.0:
+        return _any_nonfinite(groups)
+    inv_scale = 1.0 / scale
+    founds = []
+    for device, by_dtype in groups.items():
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        inv_tensor = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+        for tensors in by_dtype.values():
+            _check_and_unscale_group(tensors, found, inv_tensor, inv_scale)
+        founds.append(found)
+    if not founds:
+        return False
+    if len(founds) > 1:
+        first = founds[0].device
+        founds = [torch.cat([f.to(first) for f in founds]).sum()]
+    return bool(founds[0].item())
+
+
+def unscale_(grads, scale):
+    """Multiply each tensor of ``grads`` by ``1/scale`` in place; return True if any was inf/NaN.
+
+    ``None`` entries are skipped, a tensor listed twice is unscaled once, and
+    tensors may mix dtypes (fp16/bf16/fp32/fp64) and devices.
+    """
+    grads = list(grads)
+    for i, grad in enumerate(grads):
+        _check_tensor(f"grads[{i}]", grad)
+    return _unscale_groups(_group(g for g in grads if g is not None), float(scale))
+
+
+def _check_out(grads, out):
+    if len(out) != len(grads):
+        raise UsageError(f"out has {len(out)} entries but grads has {len(grads)}; pass one out slot per grad.")
+    for i, (grad, target) in enumerate(zip(grads, out)):
+        _check_tensor(f"grads[{i}]", grad)
+        _check_tensor(f"out[{i}]", target)
+        if grad is None:
+            continue
+        if target is None and not isinstance(out, MutableSequence):
+            raise UsageError(f"out[{i}] is None, so a new tensor must be stored there, but out is a "
+                             f"{type(out).__name__}; pass a list.")
+        if target is not None and target.shape != grad.shape:
+            raise UsageError(f"out[{i}] has shape {tuple(target.shape)} but grads[{i}] has shape "
+                             f"{tuple(grad.shape)}.")
+
+
+def unscale_into(grads, out, scale):
+    """Write ``grads[i].float() / scale`` into ``out[i]``; return True if any grad was inf/NaN.
+
+    ``out[i] is None``: a new fp32 tensor (on the grad's device) is stored in
+    ``out[i]`` (``out`` must then be a list). Otherwise the unscaled value is
+    *added* to the existing ``out[i]`` (gradient accumulation into fp32 master
+    grads). ``grads`` are left untouched; ``None`` grads leave ``out[i]`` as is.
+    The overflow check covers the new contributions only.
+    """
+    grads = list(grads)
+    _check_out(grads, out)
+    pending = [(i, g.detach().to(torch.float32, copy=True)) for i, g in enumerate(grads) if g is not None]
+    found = _unscale_groups(_group(tmp for _, tmp in pending), float(scale))
+    fused = {}
+    for i, tmp in pending:
+        target = out[i]
+        if target is None:
+            out[i] = tmp
+        elif target.device == tmp.device and not (target.is_sparse or tmp.is_sparse):
+            group = fused.setdefault(target.device, ([], []))
+            group[0].append(target)
+            group[1].append(tmp)
+        else:
+            target.add_(tmp.to(target.device))
+    for targets, tmps in fused.values():
+        torch._foreach_add_(targets, tmps)
+    return found

@@ -66,6 +66,9 @@ def _check_not_initialized():
     if _state.current() is not None:
         raise UsageError("amp_patch.initialize() was already called; call amp_patch.deinitialize() before "
                          "initializing again (initialize once, with every model and optimizer)")
+    if _state.active_engine() is not None:
+        raise UsageError("amp_patch.initialize() inside an open amp_patch.autocast() region; initialize first "
+                         "(an O1 session makes autocast() regions no-ops) or close the region")
 
 
 def _as_list(objs, what, kind):

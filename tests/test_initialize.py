@@ -209,3 +209,9 @@ def test_o2_keep_fp32_modules_and_cast_model_outputs():
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert not model._state_dict_hooks and not model._load_state_dict_pre_hooks
     assert model(torch.randn(3, 4)).dtype is torch.float32
+
+
+def test_initialize_inside_an_autocast_region_is_refused():
+    with amp_patch.autocast():
+        with pytest.raises(UsageError, match="inside an open amp_patch.autocast"):
+            amp_patch.initialize(_model(), verbosity=0)

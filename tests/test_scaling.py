@@ -267,3 +267,24 @@ def test_overflow_in_one_micro_batch_counts_once_and_skips_the_step(level):
     assert amp_patch.last_step_skipped(opt) and amp_patch.loss_scale() == 2.0 ** 9
     assert all(torch.equal(a, b) for a, b in zip(before, amp_patch.master_params(opt)))
     assert [r["skipped"] for r in amp_patch.history()] == [True]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_grads_inside_the_block_are_scale_times_the_reference(level):
+    x, y = _batches(1)[0]
+    ref = _net()
+    F.mse_loss(ref(x), y).backward()
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level=level, loss_scale=128.0, verbosity=0)
+    loss = F.mse_loss(model(x).float(), y)
+    with amp_patch.scale_loss(loss, opt) as scaled:
+        assert scaled.item() == loss.item() * 128.0
+        scaled.backward()
+        for p_ref, p in zip(ref.parameters(), model.parameters()):  # still scaled, in the model's own dtype
+            torch.testing.assert_close(p.grad.float() / 128.0, p_ref.grad, rtol=RTOL, atol=ATOL)
+    masters = list(amp_patch.master_params(opt))
+    assert all(m is q for m, q in zip(masters, opt.param_groups[0]["params"]))  # the optimizer steps these
+    for p_ref, m in zip(ref.parameters(), masters):  # unscaled on exit, fp32
+        assert m.grad.dtype is torch.float32
+        torch.testing.assert_close(m.grad, p_ref.grad, rtol=RTOL, atol=ATOL)

@@ -300,7 +300,7 @@ def test_ddp_example_under_torchrun_two_ranks(level, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     losses = _losses(proc.stdout)
     assert len(losses) == 6 and losses[-1] < losses[0]
-    checksums = dict(re.findall(r"rank (\d) checksum (\S+)", proc.stdout))
+    checksums = dict(re.findall(r"rank (\d) checksum (-?\d+\.\d+)", proc.stdout))
     assert set(checksums) == {"0", "1"} and checksums["0"] == checksums["1"]
 
 

@@ -211,20 +211,23 @@ def _finish(wrapper, original, entry):
 
 def _casting_wrapper(original, entry, ctx, cast):
     """Wrapper that casts every tensor argument with ``cast`` (the ``half`` and ``float`` categories)."""
-    disabled, cast_any = ctx.disabled, any_caster(cast)
+    disabled, cast_any, tensor_types = ctx.disabled, any_caster(cast), _TENSOR_TYPES
 
     def wrapper(*args, **kwargs):
         if disabled and _get_ident() in disabled:
             return original(*args, **kwargs)
         if kwargs:
             return original(*map(cast_any, args), **cast_kwargs(cast, kwargs))
-        n = len(args)  # unrolled for the common arities: no map/list per call
-        if n == 2:
-            a, b = args
-            return original(cast_any(a), cast_any(b))
+        n = len(args)  # unrolled for the common arities (no map/list), tensors cast without the dispatch hop
         if n == 3:
             a, b, c = args
-            return original(cast_any(a), cast_any(b), cast_any(c))
+            return original(cast(a) if type(a) in tensor_types else cast_any(a),
+                            cast(b) if type(b) in tensor_types else cast_any(b),
+                            cast(c) if type(c) in tensor_types else cast_any(c))
+        if n == 2:
+            a, b = args
+            return original(cast(a) if type(a) in tensor_types else cast_any(a),
+                            cast(b) if type(b) in tensor_types else cast_any(b))
         if n == 1:
             return original(cast_any(args[0]))
         return original(*map(cast_any, args))

@@ -4,6 +4,8 @@ import collections
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import amp_patch
 
@@ -151,3 +153,36 @@ def test_disable_casts_is_per_thread(half):
         seen["here"] = torch.mm(a, a).dtype
     thread.join()
     assert seen == {"other": half, "here": torch.float32}
+
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32]
+
+
+def _reference_promote(dtypes):
+    floats = [d for d in dtypes if d.is_floating_point]
+    if len(set(floats)) < 2:
+        return None
+    widest = floats[0]
+    for d in floats[1:]:
+        widest = torch.promote_types(widest, d)
+    return widest
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.sampled_from(DTYPES), min_size=2, max_size=4), st.sampled_from([torch.float16, torch.bfloat16]))
+def test_promote_and_half_rules_against_a_reference(dtypes, half):
+    """The args the original receives, for random dtype mixes: promote = widest floating dtype when floating
+    dtypes mix (integers untouched); half = fp32 and the other 16-bit dtype cast, fp64/ints untouched."""
+    from amp_patch.casting import promote_wrapper, half_wrapper, CastCache, make_to_half
+    from amp_patch.oplist import OpEntry
+
+    seen = []
+    ctx = type("Ctx", (), {"disabled": {}, "to_half": staticmethod(make_to_half(half, CastCache()))})()
+    entry = OpEntry("test", "op", "promote", "<test>", 0)
+    tensors = [torch.ones(2, dtype=d) for d in dtypes]
+    promote_wrapper(lambda *a: seen.append([t.dtype for t in a]), entry, ctx)(*tensors)
+    widest = _reference_promote(dtypes)
+    expected = [widest if (widest is not None and d.is_floating_point) else d for d in dtypes]
+    assert seen[-1] == expected
+    half_wrapper(lambda *a: seen.append([t.dtype for t in a]), entry, ctx)(*tensors)
+    assert seen[-1] == [half if d in (torch.float32, torch.float16, torch.bfloat16) else d for d in dtypes]

@@ -145,6 +145,10 @@ def _install_casting(session, op_lists, allow_banned):
                               f"opt_level={props.opt_level!r} does not patch. Drop op_lists or use O1.")
         return
     table = load_op_lists(op_lists)
+    if table.skipped:  # version-dependent entries are declared, never silently dropped
+        log.info("amp_patch: %d op-list entr%s skipped on torch %s: %s", len(table.skipped),
+                 "y" if len(table.skipped) == 1 else "ies", torch.__version__,
+                 "; ".join(f"{s.entry.qualname} ({s.entry.path}:{s.entry.line}: {s.reason})" for s in table.skipped))
     session.engine = CastingEngine(table, half_dtype=props.half_dtype, allow_banned=allow_banned,
                                    registrations=REGISTRY.take())
     session.undo.append(session.engine.uninstall)

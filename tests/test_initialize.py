@@ -215,3 +215,13 @@ def test_initialize_inside_an_autocast_region_is_refused():
     with amp_patch.autocast():
         with pytest.raises(UsageError, match="inside an open amp_patch.autocast"):
             amp_patch.initialize(_model(), verbosity=0)
+
+
+def test_skipped_version_dependent_entries_are_reported(caplog):
+    import logging
+
+    spec = ["apex", {"add": {"half": {"torch": [{"name": "future_op", "min_torch": "99.0"}]}}}]
+    with caplog.at_level(logging.INFO, logger="amp_patch"):
+        amp_patch.initialize(torch.nn.Linear(1, 1), opt_level="O1", op_lists=spec, verbosity=0)
+    assert "1 op-list entry skipped" in caplog.text and "torch.future_op" in caplog.text
+    assert "needs torch >= 99.0" in caplog.text

@@ -6,8 +6,11 @@ swaps the half model params in ``param_groups`` for fp32 masters, as Apex did.
 
 State machine per optimizer (per iteration)::
 
-    CLEAN --scale_loss(delay_unscale=True)--> SCALED(scaler) --scale_loss exit--> CLEAN (+overflow?)
-    CLEAN/SCALED --step()--> [skip if an overflow was seen since the last step] --> CLEAN
+    UNSCALED --scale_loss entry--> SCALED(scaler)     (grads already in param.grad are rescaled in place)
+    SCALED --exit with delay_unscale--> SCALED        (left scaled; the next exit or step() finishes)
+    SCALED --exit--> UNSCALED                          (unscaled, O2: into the fp32 master grads; overflow?)
+    UNSCALED --step()--> UNSCALED                      (skipped if an overflow was seen since the last step,
+                                                        else O2 copies the masters into the model)
 
 A skipped step hides every gradient of the optimizer (sets it to None) for the
 duration of ``step()``, so no parameter and no optimizer state (momentum, Adam
@@ -34,7 +37,6 @@ class OptimizerState:
         self.pending_inf = False
         self.masters_stale = False
         self._known_groups = 0
-        self._original_params = [list(g["params"]) for g in optimizer.param_groups]
         self._sync_groups(fp32_data or {})
         self._handles = [optimizer.register_step_pre_hook(self._pre_step),
                          optimizer.register_step_post_hook(self._post_step)]

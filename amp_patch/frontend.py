@@ -1,4 +1,4 @@
-"""The Apex-compatible entry points: initialize, deinitialize, scale_loss, state and master params."""
+"""The Apex-compatible entry points: initialize, deinitialize, amp state, master params (scale_loss: scaling.py)."""
 import logging
 
 import torch
@@ -33,8 +33,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     the models when no optimizers were given). See docs/usage.md.
     """
     _check_not_initialized()
-    model_list, _ = _as_list(models, "models", torch.nn.Module)
-    opt_list, _ = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
+    model_list = _as_list(models, "models", torch.nn.Module)
+    opt_list = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
     if not enabled:
         _state.activate(Session(enabled=False))
         return _pack(models, optimizers)
@@ -73,16 +73,15 @@ def _check_not_initialized():
 
 def _as_list(objs, what, kind):
     if objs is None:
-        return [], False
-    is_list = isinstance(objs, (list, tuple))
-    items = list(objs) if is_list else [objs]
+        return []
+    items = list(objs) if isinstance(objs, (list, tuple)) else [objs]
     for obj in items:
         if not isinstance(obj, kind):
             raise ConfigError(f"{what} must be a {kind.__module__}.{kind.__qualname__} or a list of them; got "
                               f"{type(obj).__name__}")
     if len({id(o) for o in items}) != len(items):
         raise ConfigError(f"the same object appears twice in {what}; pass each once")
-    return items, is_list
+    return items
 
 
 def _pack(models, optimizers):

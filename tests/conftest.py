@@ -12,14 +12,24 @@ from tests_support import leaks_of
 # once up front so the snapshot below only sees amp_patch's own changes.
 import torch._dynamo  # noqa: F401,E402
 
-PATCHED_NAMESPACES = (torch, F, torch.Tensor, torch._C._nn, torch._C._linalg, torch._C._special, torch.linalg,
-                      torch.special, torch.fft, torch._C.TensorBase)
+
+def _patched_namespaces():
+    """Every target of every shipped op list, plus the namespaces user registrations and tests touch."""
+    from amp_patch._resolve import resolve_target
+
+    found = {id(ns): ns for ns in (torch, F, torch.Tensor, torch._C.TensorBase, torch._VF)}
+    for name in amp_patch.shipped_names():
+        for entry in amp_patch.load_op_lists(name).entries:
+            target = resolve_target(entry.target)
+            found.setdefault(id(target), target)
+    return tuple(found.values())
+
+
+PATCHED_NAMESPACES = _patched_namespaces()
 
 
 def _snapshot():
-    return {id(ns): (ns, dict(vars(ns))) for ns in PATCHED_NAMESPACES} | {id(torch._VF): (torch._VF, dict(vars(torch._VF)))}
-
-
+    return {id(ns): (ns, dict(vars(ns))) for ns in PATCHED_NAMESPACES}
 
 
 @pytest.fixture(autouse=True)

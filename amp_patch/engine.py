@@ -6,6 +6,7 @@ per-thread switch the wrappers read.
 """
 import contextlib
 import logging
+import threading
 
 import torch
 
@@ -29,6 +30,7 @@ class CastingEngine:
         self.to_half = make_to_half(half_dtype, self.cache)
         self.patcher = Patcher()
         self.tracer = None
+        self._paused = set()  # threads inside an optimizer step
 
     @property
     def installed(self):
@@ -74,6 +76,22 @@ class CastingEngine:
 
     def clear_cache(self):
         self.cache.clear()
+
+    def pause_for_step(self):
+        """Optimizer math runs on fp32 params/grads: no wrapper has anything to cast there, so skip them for
+        the step (the in-place ops of an optimizer step are most of O1's per-step wrapper calls)."""
+        ident = threading.get_ident()
+        if ident not in self._paused:
+            self._paused.add(ident)
+            self.disabled.enter()
+
+    def resume_after_step(self):
+        """End a step pause; also called before each forward of the models and on scale_loss entry, so a step
+        that raised cannot leave casting off in this thread."""
+        paused = self._paused
+        if paused and threading.get_ident() in paused:
+            paused.discard(threading.get_ident())
+            self.disabled.exit()
 
     @contextlib.contextmanager
     def casts_disabled(self):

@@ -53,6 +53,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                                         backoff_factor, growth_interval, hysteresis)
         _install_casting(session, op_lists, allow_banned)
         _reach_early_bound(session, model_list)
+        _guard_step_pause(session, model_list)
         _set_up_diagnostics(session, model_list, diagnose_overflow, history_size)
     except BaseException:
         session.close()
@@ -152,6 +153,8 @@ def _install_casting(session, op_lists, allow_banned):
                                    registrations=REGISTRY.take())
     session.undo.append(session.engine.uninstall)
     session.engine.install()
+    for state in session.opt_states.values():
+        state.engine = session.engine
 
 
 def _reach_early_bound(session, models):
@@ -161,6 +164,16 @@ def _reach_early_bound(session, models):
     session.refresh_early_bound()
     session.undo.append(session.drop_early_bound)
     session.unreachable = early_bound.scan_globals(models, session.engine)
+
+
+def _guard_step_pause(session, models):
+    """O1 pauses casting inside optimizer.step(); a step that raised must not leave it paused into the next
+    forward of a model (nor into scale_loss, which resumes too)."""
+    if session.engine is None:
+        return
+    resume = session.engine.resume_after_step
+    for model in models:
+        session.undo.append(model.register_forward_pre_hook(lambda module, args: resume()).remove)
 
 
 def _set_up_diagnostics(session, models, diagnose_overflow, history_size):

@@ -36,6 +36,7 @@ class OptimizerState:
         self.pending_scaler = None  # param grads are currently scaled by this scaler (inside scale_loss, or delayed)
         self.pending_inf = False
         self.masters_stale = False
+        self.engine = None  # the session's casting engine (O1): paused during step()
         self._known_groups = 0
         self._sync_groups(fp32_data or {})
         self._handles = [optimizer.register_step_pre_hook(self._pre_step),
@@ -126,6 +127,9 @@ class OptimizerState:
     # -- step hooks -----------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs):
         self._sync_groups()
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
+        if self.engine is not None and closure is None:  # a closure runs a forward: keep casting for it
+            self.engine.pause_for_step()
         if self.pending_scaler is not None:  # the last backward was delayed (or raised): finish it now
             scaler = self.pending_scaler
             found = distributed.agree_overflow(self.after_backward(scaler, False))
@@ -141,6 +145,8 @@ class OptimizerState:
                 model_p.grad = None
 
     def _post_step(self, optimizer, args, kwargs):
+        if self.engine is not None:
+            self.engine.resume_after_step()
         if self.pairs and not self.last_skipped:
             with torch.no_grad():
                 torch._foreach_copy_([p for p, _ in self.pairs], [m for _, m in self.pairs])

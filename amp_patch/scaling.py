@@ -39,6 +39,8 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
         return
     scaler = session.scaler(loss_id)
     states = [session.state_for(opt) for opt in _optimizer_list(optimizers)]
+    if session.engine is not None:
+        session.engine.resume_after_step()
     if model is not None and any(state.pairs for state in states):
         distributed.check_unscale_inside_no_sync(model, delay_unscale)
     if not session.masters_checked:

@@ -288,3 +288,40 @@ def test_grads_inside_the_block_are_scale_times_the_reference(level):
     for p_ref, m in zip(ref.parameters(), masters):  # unscaled on exit, fp32
         assert m.grad.dtype is torch.float32
         torch.testing.assert_close(m.grad, p_ref.grad, rtol=RTOL, atol=ATOL)
+
+
+class _MatmulOptimizer(torch.optim.SGD):
+    """Records the dtype of a half-list op run inside step(); raises when asked to."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.seen, self.fail = [], False
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        p = self.param_groups[0]["params"][0]
+        self.seen.append(torch.mm(p.detach(), p.detach().t()).dtype)
+        if self.fail:
+            raise RuntimeError("step failed")
+        super().step()
+        return loss
+
+
+def test_o1_casting_pauses_inside_step_and_always_resumes():
+    model = torch.nn.Linear(4, 4)
+    opt = _MatmulOptimizer(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O1", verbosity=0)
+    x = torch.randn(2, 4)
+    opt.step()
+    assert opt.seen == [torch.float32]  # optimizer math is left alone
+    assert model(x).dtype is torch.float16 and torch.mm(x, x.t()).dtype is torch.float16
+    opt.fail = True
+    with pytest.raises(RuntimeError, match="step failed"):
+        opt.step()
+    assert torch.mm(x, x.t()).dtype is torch.float32  # still paused in this thread after the failed step...
+    assert model(x).dtype is torch.float16  # ...until the next forward of the model resumes casting
+    assert torch.mm(x, x.t()).dtype is torch.float16
+    opt.fail = False
+    dtypes = []
+    opt.step(lambda: dtypes.append(model(x).dtype))  # a closure's forward keeps O1 casting
+    assert dtypes == [torch.float16] and opt.seen[-1] is torch.float16

@@ -8,6 +8,7 @@ parameters with non-finite gradients. The history is a bounded ring buffer of
 per-step records that also watches for a collapsing loss scale.
 """
 import collections
+import contextlib
 import logging
 
 import torch
@@ -25,8 +26,9 @@ _COLLAPSE_HINT = ("a loss scale stuck at its floor usually means a genuine inf/N
 class OverflowDiagnoser:
     """Forward hooks flagging bad module outputs; turns flags + grads into an overflow record."""
 
-    def __init__(self, models, half_dtype, tracer=None, max_flags=100_000):
+    def __init__(self, models, half_dtype, tracer=None, quiet=contextlib.nullcontext, max_flags=100_000):
         self.limit = torch.finfo(half_dtype).max
+        self.quiet = quiet or contextlib.nullcontext  # O1 casting off: the checks are ours, not the model's ops
         self.flags = collections.deque(maxlen=max_flags)
         self.tracer = tracer  # its last_entry names the patched op that ran last (None without O1)
         self.models = models
@@ -41,7 +43,7 @@ class OverflowDiagnoser:
             if not tensors:
                 return
             entry = self.tracer.last_entry if self.tracer is not None else None
-            with torch.no_grad():
+            with torch.no_grad(), self.quiet():
                 bad = None
                 for t in tensors:  # (no sync: the flag stays a tensor until an overflow asks for it)
                     flag = torch.logical_or(torch.isfinite(t).logical_not().any(), t.abs().amax().gt(self.limit))

@@ -187,7 +187,8 @@ def _set_up_diagnostics(session, models, diagnose_overflow, history_size):
         tracer = Tracer(modules=False, unpatched=False)
         session.engine.retrace(tracer)
         session.refresh_early_bound()
-    session.diagnoser = OverflowDiagnoser(models, session.props.half_dtype, tracer)
+    session.diagnoser = OverflowDiagnoser(models, session.props.half_dtype, tracer,
+                                          quiet=session.engine.casts_disabled if session.engine else None)
     session.undo.append(session.diagnoser.remove)
 
 

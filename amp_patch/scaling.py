@@ -49,12 +49,17 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
     for state in states:
         state.before_backward(scaler)
     yield loss.float() * scaler.scale
-    found_inf = False
-    for state in states:
-        found_inf |= state.after_backward(scaler, delay_unscale)
-    if not delay_unscale:
-        _finish_step(session, scaler, loss_id, states, distributed.agree_overflow(found_inf))
+    with _quiet(session):  # amp_patch's own bookkeeping ops must not run through the casting wrappers
+        found_inf = False
+        for state in states:
+            found_inf |= state.after_backward(scaler, delay_unscale)
+        if not delay_unscale:
+            _finish_step(session, scaler, loss_id, states, distributed.agree_overflow(found_inf))
     session.clear_cache()
+
+
+def _quiet(session):
+    return session.engine.casts_disabled() if session.engine is not None else contextlib.nullcontext()
 
 
 def _warn_if_masters_diverged(states):

@@ -1,28 +1,15 @@
 """O1 under torch.compile: same output dtypes as eager and no graph break caused by the wrappers."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 import amp_patch
-
-
-class Small(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(8, 8)
-        self.norm = torch.nn.LayerNorm(8)
-        self.fc2 = torch.nn.Linear(8, 4)
-
-    def forward(self, x):
-        h = F.gelu(self.fc1(x))
-        h = self.norm(h) + x
-        return self.fc2(h), F.softmax(h @ h.t(), dim=-1)
+from tests_support import SmallNet
 
 
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_compiled_o1_matches_eager_dtypes_without_graph_breaks(half):
     torch._dynamo.reset()
-    model = amp_patch.initialize(Small(), opt_level="O1", half_dtype=half, verbosity=0)
+    model = amp_patch.initialize(SmallNet(), opt_level="O1", half_dtype=half, verbosity=0)
     x = torch.randn(3, 8)
     eager = model(x)
     assert [t.dtype for t in eager] == [half, torch.float32]

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import amp_patch
+from tests_support import SmallNet
 
 
 class GELUActivation(torch.nn.Module):
@@ -121,23 +122,12 @@ def test_custom_op():
     assert scale2(torch.randn(2)).dtype is torch.float32
 
 
-class Small(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(8, 8)
-        self.norm = torch.nn.LayerNorm(8)
-        self.fc2 = torch.nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.fc2(self.norm(F.gelu(self.fc1(x)))), F.softmax(self.fc1(x), dim=-1)
-
-
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 def test_inductor_matches_eager(level):
     """Default backend (inductor, C++ codegen on CPU): dtypes as eager, values within bf16 resolution."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = amp_patch.initialize(Small(), opt_level=level, half_dtype=torch.bfloat16, verbosity=0)
+    model = amp_patch.initialize(SmallNet(), opt_level=level, half_dtype=torch.bfloat16, verbosity=0)
     x = torch.randn(4, 8)
     eager = model(x)
     counters_before = dict(torch._dynamo.utils.counters["graph_break"])

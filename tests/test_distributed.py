@@ -8,8 +8,6 @@ under ``python -m torch.distributed.run --standalone`` (free port) with a timeou
 that kills its whole process group.
 """
 import os
-import signal
-import subprocess
 import sys
 import threading
 
@@ -19,6 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import _dist_worker as w
 import amp_patch
+from tests_support import run_killing_group
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
@@ -223,14 +222,8 @@ def test_a_hung_rank_fails_at_the_deadline(tmp_path):
 def torchrun(tmp_path, *args, timeout=60):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", EXAMPLE, *args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # own process group: a timeout kills the workers too
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun {' '.join(args)} timed out after {timeout} s:\n{out[-3000:]}")
+    proc = run_killing_group(cmd, tmp_path, env, timeout=timeout)  # a timeout kills the workers too
+    out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     return out
 

@@ -4,8 +4,6 @@ import importlib
 import io
 import os
 import re
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 import amp_patch
 from amp_patch import legacy
 from amp_patch.legacy import ApexAttributeError, ApexFeatureError, ApexImportError
+from tests_support import run_killing_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples", "legacy")
@@ -270,22 +269,9 @@ def _module_cli():
     return "amp_patch.legacy"
 
 
-def _run_killing_group(cmd, cwd, env=None, timeout=120):
-    """subprocess.run that, on timeout, kills the launcher's whole process group (torchrun's workers too)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(cwd), env=env,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} timed out after {timeout}s:\n{out}\n{err}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
 def test_subprocess_python_m_run(tmp_path):
     cmd = [sys.executable, "-m", _module_cli(), "run", IMAGENET, "--opt-level", "O2", "--steps", "4"]
-    proc = _run_killing_group(cmd, tmp_path)
+    proc = run_killing_group(cmd, tmp_path)
     assert proc.returncode == 0, proc.stderr
     losses = _losses(proc.stdout)
     assert len(losses) == 4 and losses[-1] < losses[0]
@@ -296,7 +282,7 @@ def test_ddp_example_under_torchrun_two_ranks(level, tmp_path):
     # --standalone: a free rendezvous port, so concurrent runs on one machine do not collide
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", _module_cli(), "run", DDP, "--opt-level", level, "--steps", "6"]
-    proc = _run_killing_group(cmd, tmp_path, dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run_killing_group(cmd, tmp_path, dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     losses = _losses(proc.stdout)
     assert len(losses) == 6 and losses[-1] < losses[0]

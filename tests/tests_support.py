@@ -1,6 +1,10 @@
 """Helpers shared by tests (imported as a plain module: pytest puts tests/ on sys.path)."""
+import os
+import signal
+import subprocess
 import types
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -38,3 +42,32 @@ class CountCasts(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.ops.append((func, getattr(out, "dtype", None)))
         return out
+
+
+def run_killing_group(cmd, cwd, env=None, timeout=120):
+    """subprocess.run that, on timeout, kills the launcher's whole process group (torchrun's workers too) and
+    fails the test; stdout and stderr are captured separately."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(cwd), env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))} timed out after {timeout}s:\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+class SmallNet(torch.nn.Module):
+    """linear -> gelu -> layer_norm + residual -> linear, and a softmax over a matmul: half, float and promote ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.fc2 = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.fc1(x))
+        h = self.norm(h) + x
+        return self.fc2(h), torch.nn.functional.softmax(h @ h.t(), dim=-1)

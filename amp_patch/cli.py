@@ -19,7 +19,9 @@ arguments and sets ``parser.set_defaults(func=handler)``, where ``handler(args) 
   fails to import is reported on stderr and skipped, so the other subcommands keep working.
 """
 import argparse
+import contextlib
 import importlib
+import logging
 import os
 import sys
 
@@ -168,6 +170,31 @@ def _hook_failed(name, module_name, why):
     return None
 
 
+class _FallbackHandler(logging.StreamHandler):
+    """amp_patch's INFO lines (configuration, overflows: what Apex printed) on stderr for command-line runs,
+    but only while the program has not configured logging itself (then its handlers get them)."""
+
+    def emit(self, record):
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+@contextlib.contextmanager
+def _show_amp_patch_logs():
+    logger = logging.getLogger("amp_patch")
+    handler = _FallbackHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    if level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def main(argv=None):
     """Run ``amp-patch`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()
@@ -178,7 +205,8 @@ def main(argv=None):
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
-    return int(args.func(args) or 0)
+    with _show_amp_patch_logs():
+        return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":  # pragma: no cover - python -m amp_patch.cli

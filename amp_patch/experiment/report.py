@@ -124,7 +124,7 @@ def write_png(reports, out_dir):
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        log.info("matplotlib is not installed (pip install amp_patch[plot]); skipping the PNG")
+        log.debug("matplotlib is not installed (pip install amp_patch[plot]); skipping the PNG")
         return None
     fig = Figure(figsize=(11, 3.2 * len(reports)))
     FigureCanvasAgg(fig)

@@ -1,0 +1,69 @@
+"""What the Fused* optimizers share: Apex's ``zero_grad``/``set_grad_none``, collecting a group's grads,
+one-line notes for arguments that have no effect here, and argument checks."""
+import logging
+
+import torch
+
+from ....errors import ConfigError, UsageError
+
+log = logging.getLogger("amp_patch")
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """A torch optimizer whose ``zero_grad()`` follows Apex's ``set_grad_none`` and whose step is foreach math."""
+
+    def __init__(self, params, defaults, set_grad_none):
+        super().__init__(params, defaults)
+        self.set_grad_none = set_grad_none
+
+    def zero_grad(self, set_to_none=None):
+        """Set grads to None (``set_grad_none=True``, Apex's default for most Fused* classes) or to zero."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    def _with_grads(self, group):
+        """The group's params that have a grad, with their state (checked: dense grad, supported dtype)."""
+        name = type(self).__name__
+        found = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise UsageError(f"{name} does not support sparse gradients (param of shape {tuple(p.shape)}); "
+                                 f"use torch.optim.SparseAdam for sparse embeddings")
+            if p.dtype not in SUPPORTED_DTYPES:
+                raise UsageError(f"{name} updates float32, float16 and bfloat16 params; got a {p.dtype} param of "
+                                 f"shape {tuple(p.shape)}. Use the torch.optim equivalent for other dtypes.")
+            found.append((p, self.state[p]))
+        return found
+
+    @staticmethod
+    def _noop_flag(device):
+        return torch.zeros(1, dtype=torch.int, device=device)
+
+
+def refuse_amsgrad(name, amsgrad):
+    if amsgrad:
+        raise ConfigError(f"{name}(amsgrad=True): {name} does not support the AMSGrad variant (Apex refused it "
+                          f"too); use torch.optim.Adam(amsgrad=True) or drop amsgrad.")
+
+
+def note_no_effect(name, **given):
+    """One INFO line naming the arguments that only tuned Apex's CUDA kernels."""
+    if given:
+        log.info("%s: %s accepted with no effect (they tuned Apex's CUDA kernels; the foreach math here gives "
+                 "the same results)", name, ", ".join(f"{k}={v!r}" for k, v in given.items()))
+
+
+def advance_step(group):
+    """Apex counts steps per param group; a group without grads (e.g. a skipped step) does not advance."""
+    group["step"] = group.get("step", 0) + 1
+    return group["step"]
+
+
+def by_device(items):
+    """``{device: [(param, state), ...]}``: foreach kernels take tensors of one device."""
+    out = {}
+    for p, state in items:
+        out.setdefault(p.device, []).append((p, state))
+    return out

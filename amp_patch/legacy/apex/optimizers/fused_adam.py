@@ -1,0 +1,62 @@
+"""``apex.optimizers.FusedAdam``: Adam / AdamW with Apex's arguments and state layout, on foreach math."""
+import torch
+
+from ... import amp_C
+from ....errors import ConfigError, UsageError
+from ._base import FusedOptimizer, advance_step, by_device, note_no_effect, refuse_amsgrad
+
+
+class FusedAdam(FusedOptimizer):
+    """Apex's FusedAdam: ``adam_w_mode=True`` (decoupled weight decay, AdamW) is the default.
+
+    Per param state ``exp_avg`` and ``exp_avg_sq`` (fp32 for half params); the step count is
+    ``param_group["step"]``; param groups hold ``lr``, ``bias_correction``, ``betas``, ``eps``,
+    ``weight_decay``. ``amsgrad=True`` is refused as Apex refused it. ``capturable`` only changed how
+    Apex's CUDA kernel was launched (accepted, no effect); ``master_weights``/``use_master`` is refused:
+    use ``amp_patch.initialize(..., opt_level="O2")`` for fp32 master weights.
+    """
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+                 weight_decay=0.0, amsgrad=False, set_grad_none=True, capturable=False, master_weights=False,
+                 use_master=False):
+        refuse_amsgrad("FusedAdam", amsgrad)
+        if master_weights or use_master:
+            raise ConfigError("FusedAdam(master_weights=True): keeping fp32 master weights inside the optimizer "
+                              "is not provided; pass the optimizer to amp_patch.initialize(model, optimizer, "
+                              "opt_level='O2'), which keeps fp32 masters for every half param.")
+        if capturable:
+            note_no_effect("FusedAdam", capturable=capturable)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, set_grad_none)
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.capturable = capturable
+
+    def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None, grad_scaler=None):
+        """One Adam step for every param with a grad; returns ``closure()``'s loss when given one."""
+        if any(x is not None for x in (grads, output_params, scale, grad_norms)):
+            raise UsageError("FusedAdam.step() takes no grads/output_params/scale/grad_norms (Apex's old API): "
+                             "build it like torch.optim.Adam and call step() with no arguments.")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            items = self._with_grads(group)
+            if not items:
+                continue
+            step = advance_step(group)
+            beta1, beta2 = group["betas"]
+            for device, pairs in by_device(items).items():
+                lists = [[p.grad for p, _ in pairs], [p for p, _ in pairs],
+                         [self._moment(p, s, "exp_avg") for p, s in pairs],
+                         [self._moment(p, s, "exp_avg_sq") for p, s in pairs]]
+                amp_C.multi_tensor_adam(0, self._noop_flag(device), lists, group["lr"], beta1, beta2,
+                                        group["eps"], step, self.adam_w_mode, 1 if group["bias_correction"] else 0,
+                                        group["weight_decay"])
+        return loss
+
+    @staticmethod
+    def _moment(p, state, key):
+        if key not in state:
+            state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        return state[key]

@@ -37,7 +37,7 @@ EQUIV_MAX_SCALE = 2.0 ** 10
 
 # -- launcher ---------------------------------------------------------------------------------------
 def run_ranks(job, tmp_path, world=2, timeout=45.0, **kwargs):
-    """Run ``JOBS[job]`` on ``world`` gloo ranks in fresh interpreters; return the per-rank results."""
+    """Run ``JOBS[job]`` (or ``"module:function"``) on ``world`` gloo ranks in fresh interpreters; return the per-rank results."""
     out = str(tmp_path)
     torch.save({"job": job, "world": world, "kwargs": kwargs}, os.path.join(out, "job.pt"))
     here = os.path.dirname(os.path.abspath(__file__))
@@ -80,13 +80,23 @@ def _entry(rank, out):
     dist.init_process_group("gloo", init_method="file://" + os.path.join(out, "filestore"), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=30))
     try:
-        result = JOBS[spec["job"]](rank, world, **spec["kwargs"])
+        result = _job(spec["job"])(rank, world, **spec["kwargs"])
         dist.barrier()  # nobody tears the group down while a peer is still in a collective
     finally:
         amp_patch.deinitialize()
         gc.collect()  # DDP modules (reference cycles) must go before their process group: else abort at exit
         dist.destroy_process_group()
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+
+
+def _job(name):
+    """A job of this module, or ``"module:function"`` from another test helper module."""
+    if ":" not in name:
+        return JOBS[name]
+    import importlib
+
+    module, function = name.split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 # -- shared pieces ----------------------------------------------------------------------------------

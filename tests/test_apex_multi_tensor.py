@@ -1,4 +1,7 @@
 """amp_C / apex_C stand-ins and multi_tensor_applier against plain torch computations."""
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -80,3 +83,15 @@ def test_apex_c_flatten_round_trip():
     assert torch.equal(flat, torch.cat([t.reshape(-1) for t in ts]))
     back = apex_C.unflatten(flat, ts)
     assert all(torch.equal(a, b) for a, b in zip(back, ts))
+
+
+def test_importing_amp_patch_or_the_apex_package_loads_none_of_the_modules():
+    """``import amp_patch`` and ``import amp_patch.legacy.apex`` stay cheap; each module imports on its own."""
+    code = ("import sys, amp_patch, amp_patch.legacy.apex\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith('amp_patch.legacy.apex.') or m.endswith('amp_C'))\n"
+            "assert not loaded, loaded\n"
+            "import amp_patch.legacy.apex.optimizers, amp_patch.legacy.apex.parallel.distributed\n"
+            "import amp_patch.legacy.apex.normalization, amp_patch.legacy.apex.fp16_utils\n"
+            "import amp_patch.legacy.apex.multi_tensor_apply, amp_patch.legacy.amp_C, amp_patch.legacy.apex_C\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -43,8 +43,9 @@ def test_no_effect_arguments_are_accepted_with_one_info_line(one_rank, caplog):
         ddp = DistributedDataParallel(_net(), message_size=1e6, delay_allreduce=True, num_allreduce_streams=2,
                                       retain_allreduce_buffers=True, prof=True)
     lines = [r.getMessage() for r in caplog.records if "DistributedDataParallel" in r.getMessage()]
-    assert len(lines) == 1 and "delay_allreduce=True" in lines[0] and "message_size=1000000.0" in lines[0]
-    assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
+    assert len(lines) == 2 and "message_size=1000000.0" in lines[0] and "num_allreduce_streams=2" in lines[0]
+    assert "find_unused_parameters=True" in lines[1]
+    assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and ddp.find_unused_parameters
     assert all(torch.equal(a, b) for a, b in zip(_grads(ddp), _grads(_net())))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="amp_patch"):

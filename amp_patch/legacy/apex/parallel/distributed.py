@@ -2,9 +2,10 @@
 
 :class:`DistributedDataParallel` is a ``torch.nn.parallel.DistributedDataParallel`` built from Apex's
 constructor arguments. Arguments that only tuned how Apex scheduled its all-reduces (``message_size``,
-``delay_allreduce``, ``allreduce_trigger_params``, ``retain_allreduce_buffers``, ``num_allreduce_streams``,
+``allreduce_trigger_params``, ``retain_allreduce_buffers``, ``num_allreduce_streams``,
 ``allreduce_communicators``, ``prof``) are accepted with one INFO line: torch's reducer gives the same
-gradients. Arguments that change the gradients are honoured through a DDP communication hook with Apex's
+gradients. ``delay_allreduce=True`` (Apex's mode that tolerates params without a grad) becomes torch's
+``find_unused_parameters=True``. Arguments that change the gradients are honoured through a DDP communication hook with Apex's
 arithmetic: ``gradient_average=False`` (sum instead of mean), ``gradient_predivide_factor`` (grads times
 1/f before the all-reduce, times f/world_size after it when averaging) and ``allreduce_always_fp32``
 (half buckets reduced in fp32). ``shared_param`` is refused, as Apex refused it.
@@ -25,7 +26,7 @@ __all__ = ["DistributedDataParallel", "Reducer", "flat_dist_call", "apply_flat_d
 flatten = _flatten_dense_tensors
 unflatten = _unflatten_dense_tensors
 
-_NO_EFFECT_DEFAULTS = dict(message_size=10000000, delay_allreduce=False, allreduce_trigger_params=None,
+_NO_EFFECT_DEFAULTS = dict(message_size=10000000, allreduce_trigger_params=None,
                            retain_allreduce_buffers=False, num_allreduce_streams=1, allreduce_communicators=None,
                            prof=False)
 
@@ -125,8 +126,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                               "shared parameters work without it. Drop it (pass delay_allreduce=True if you meant "
                               "to all-reduce only after the whole backward pass).")
         predivide = _predivide(gradient_predivide_factor, gradient_average_split_factor)
-        given = dict(message_size=message_size, delay_allreduce=delay_allreduce,
-                     allreduce_trigger_params=allreduce_trigger_params,
+        given = dict(message_size=message_size, allreduce_trigger_params=allreduce_trigger_params,
                      retain_allreduce_buffers=retain_allreduce_buffers, num_allreduce_streams=num_allreduce_streams,
                      allreduce_communicators=allreduce_communicators, prof=prof)
         changed = {k: v for k, v in given.items() if v is not _NO_EFFECT_DEFAULTS[k]
@@ -135,7 +135,12 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             log.info("apex.parallel.DistributedDataParallel: %s accepted with no effect (they scheduled Apex's "
                      "own all-reduces; torch's DDP reducer gives the same gradients)",
                      ", ".join(f"{k}={v!r}" for k, v in changed.items()))
-        super().__init__(module)
+        if delay_allreduce:
+            log.info("apex.parallel.DistributedDataParallel: delay_allreduce=True -> torch DDP with "
+                     "find_unused_parameters=True (params without a grad are tolerated, as by Apex's delayed "
+                     "all-reduce)")
+        super().__init__(module, find_unused_parameters=bool(delay_allreduce))
+        self.delay_allreduce = bool(delay_allreduce)
         self.gradient_average = bool(gradient_average)
         self.gradient_predivide_factor = predivide
         self.allreduce_always_fp32 = bool(allreduce_always_fp32)

@@ -157,3 +157,43 @@ def test_cpu_sync_batchnorm_matches_one_batch_norm_over_both_ranks(two):
         torch.testing.assert_close(r["x_grad"], x.grad[rows], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(r["running_mean"], net[1].running_mean, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(r["running_var"], net[1].running_var, rtol=1e-5, atol=1e-6)
+
+
+# -- LARC -------------------------------------------------------------------------------------------------
+def _larc_reference(p, g, lr, wd, trust, clip, eps=1e-8):
+    """Apex's published LARC rule followed by plain SGD: p -= lr * local * (g + wd * p)."""
+    pn, gn = float(p.norm()), float(g.norm())
+    if pn == 0 or gn == 0:
+        return p - lr * g
+    local = trust * pn / (gn + pn * wd + eps)
+    if clip:
+        local = min(local / lr, 1.0)
+    return p - lr * local * (g + wd * p)
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_larc_under_o2_applies_its_rule_to_the_masters(clip):
+    import amp_patch
+    from amp_patch.legacy.apex.parallel.LARC import LARC
+
+    model = _net()
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = LARC(torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.01), trust_coefficient=0.02, clip=clip)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    assert opt.optim.param_groups[0]["params"][0] is masters[0]  # the wrapped optimizer sees the masters too
+    seen = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append([m.grad.clone() for m in masters]))
+    x = torch.randn(8, 4)
+    for _ in range(5):
+        with amp_patch.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    ref = start
+    for grads in seen:
+        ref = [_larc_reference(p, g, 0.1, 0.01, 0.02, clip) for p, g in zip(ref, grads)]
+    for m, r in zip(masters, ref):
+        torch.testing.assert_close(m.detach(), r, rtol=1e-6, atol=1e-7)
+    assert opt.param_groups[0]["weight_decay"] == 0.01 and max(float((m.detach() - s).abs().max())
+                                                               for m, s in zip(masters, start)) > 1e-5

@@ -66,6 +66,14 @@ def test_l2norm_total_and_per_tensor():
     assert flag.item() == 1
 
 
+def test_l2norm_scale_returns_the_inputs_norm_and_writes_the_scaled_copy():
+    src = _tensors(seed=5)
+    dst = [torch.empty_like(t) for t in src]
+    total, per = amp_C.multi_tensor_l2norm_scale(0, _flag(), [src, dst], 0.5, True)
+    torch.testing.assert_close(per, torch.stack([t.norm() for t in src]))
+    assert all(torch.equal(d, s * 0.5) for s, d in zip(src, dst)) and total.shape == (1,)
+
+
 def test_sgd_kernel_skips_while_the_flag_is_set():
     grads, params = _tensors(seed=3), _tensors(seed=4)
     before = [p.clone() for p in params]

@@ -13,7 +13,8 @@ import math
 
 import torch
 
-__all__ = ["multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_adam",
+__all__ = ["multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_l2norm_scale",
+           "multi_tensor_adam",
            "multi_tensor_sgd", "multi_tensor_lamb", "multi_tensor_novograd", "multi_tensor_adagrad"]
 
 
@@ -81,6 +82,13 @@ def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
         total = torch.linalg.vector_norm(norms).reshape(1)
         noop_flag.masked_fill_(torch.logical_not(torch.isfinite(total)).any().to(noop_flag.device), 1)
     return total, norms if per_tensor else torch.empty(0, device=device)
+
+
+def multi_tensor_l2norm_scale(chunk_size, noop_flag, tensor_lists, scale, per_tensor=False):
+    """:func:`multi_tensor_l2norm` of the inputs of ``[in, out]`` and :func:`multi_tensor_scale` into ``out``."""
+    norms = multi_tensor_l2norm(chunk_size, noop_flag, [tensor_lists[0]], per_tensor)
+    multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale)
+    return norms
 
 
 # -- optimizer kernels ---------------------------------------------------------------------------

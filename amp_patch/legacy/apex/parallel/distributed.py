@@ -134,7 +134,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if changed:
             log.info("apex.parallel.DistributedDataParallel: %s accepted with no effect (they scheduled Apex's "
                      "own all-reduces; torch's DDP reducer gives the same gradients)",
-                     ", ".join(f"{k}={v!r}" for k, v in changed.items()))
+                     ", ".join(f"{k}={_short(v)}" for k, v in changed.items()))
         if delay_allreduce:
             log.info("apex.parallel.DistributedDataParallel: delay_allreduce=True -> torch DDP with "
                      "find_unused_parameters=True (params without a grad are tolerated, as by Apex's delayed "
@@ -147,6 +147,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if not self.gradient_average or predivide != 1.0 or self.allreduce_always_fp32:
             self.register_comm_hook(_ApexReduction(self.process_group, self.gradient_average, predivide,
                                                    self.allreduce_always_fp32), _apex_allreduce_hook)
+
+
+def _short(value):
+    """repr for a log line; a list of params or communicators is summarised by its length."""
+    if isinstance(value, (list, tuple)):
+        return f"[{len(value)} items]"
+    return repr(value)
 
 
 def _predivide(factor, split_factor):

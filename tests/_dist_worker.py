@@ -37,7 +37,8 @@ EQUIV_MAX_SCALE = 2.0 ** 10
 
 # -- launcher ---------------------------------------------------------------------------------------
 def run_ranks(job, tmp_path, world=2, timeout=45.0, **kwargs):
-    """Run ``JOBS[job]`` (or ``"module:function"``) on ``world`` gloo ranks in fresh interpreters; return the per-rank results."""
+    """Run ``JOBS[job]`` (or ``"module:function"``) on ``world`` gloo ranks in fresh interpreters; return the
+    per-rank results."""
     out = str(tmp_path)
     torch.save({"job": job, "world": world, "kwargs": kwargs}, os.path.join(out, "job.pt"))
     here = os.path.dirname(os.path.abspath(__file__))

@@ -134,8 +134,7 @@ def test_flat_dist_call_averages_and_broadcasts_and_reducer_averages(two):
     r0, r1 = (r["flat"] for r in two)
     for r in (r0, r1):
         assert torch.equal(r["all_reduce"][0], torch.full((3,), 1.5))
-        assert r["all_reduce"][1].dtype == torch.bfloat16 and torch.equal(r["all_reduce"][1], torch.full((2, 2), 5.0,
-                                                                                                         dtype=torch.bfloat16))
+        assert torch.equal(r["all_reduce"][1], torch.full((2, 2), 5.0, dtype=torch.bfloat16))
         assert torch.equal(r["broadcast"][0], torch.full((4,), 7.0))
     for a, b, g0, g1 in zip(r0["reduced"], r1["reduced"], r0["local"], r1["local"]):
         assert torch.equal(a, b)

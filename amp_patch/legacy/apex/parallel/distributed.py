@@ -8,7 +8,8 @@ gradients. ``delay_allreduce=True`` (Apex's mode that tolerates params without a
 ``find_unused_parameters=True``. Arguments that change the gradients are honoured through a DDP
 communication hook with Apex's arithmetic: ``gradient_average=False`` (sum instead of mean),
 ``gradient_predivide_factor`` (grads times 1/f before the all-reduce, times f/world_size after it when
-averaging) and ``allreduce_always_fp32`` (half buckets reduced in fp32). ``shared_param`` is refused, as Apex refused it.
+averaging) and ``allreduce_always_fp32`` (half buckets reduced in fp32).
+``shared_param`` is refused, as Apex refused it.
 """
 import logging
 

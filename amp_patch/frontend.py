@@ -1,4 +1,5 @@
 """The Apex-compatible entry points: initialize, deinitialize, amp state, master params (scale_loss: scaling.py)."""
+import functools
 import logging
 
 import torch
@@ -10,6 +11,7 @@ from .models import ModelPatch
 from .oplist import load_op_lists
 from .opt_levels import resolve
 from .optim_state import OptimizerState
+from .patcher import Patcher
 from .registry import REGISTRY
 from .diagnostics import OverflowDiagnoser, StepHistory
 from .scaler import LossScaler, load_state_dict_into, state_dict_for
@@ -33,6 +35,9 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     the models when no optimizers were given). See docs/usage.md.
     """
     _check_not_initialized()
+    _check_enabled(enabled)
+    if models is None:
+        raise ConfigError("models=None; pass the model(s) to set up: initialize(model, optimizer, opt_level=...)")
     model_list = _as_list(models, "models", torch.nn.Module)
     opt_list = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
     if not enabled:
@@ -46,8 +51,10 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     session = Session(props)
     session.undo.append(distributed.install_rank_filter(log_all_ranks))
     try:
+        _check_optimizers_train_models(props, model_list, opt_list)
         fp32_data = _prepare_models(session, model_list)
         _attach_optimizers(session, opt_list, fp32_data)
+        _guard_zero_grad(session)
         _link_masters(session)
         session.scalers = _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor,
                                         backoff_factor, growth_interval, hysteresis)
@@ -70,6 +77,53 @@ def _check_not_initialized():
     if _state.active_engine() is not None:
         raise UsageError("amp_patch.initialize() inside an open amp_patch.autocast() region; initialize first "
                          "(an O1 session makes autocast() regions no-ops) or close the region")
+
+
+def _check_enabled(enabled):
+    if isinstance(enabled, bool):
+        return
+    hint = (f" The third positional argument is 'enabled'; pass the opt level by name: "
+            f"initialize(model, optimizer, opt_level={enabled!r})") if isinstance(enabled, str) else ""
+    raise ConfigError(f"enabled={enabled!r}; allowed: True or False.{hint}")
+
+
+def _check_optimizers_train_models(props, models, optimizers):
+    """O2/O3 cast the models passed: an optimizer over none of their params would train other weights."""
+    if props.cast_model_type not in (torch.float16, torch.bfloat16):
+        return
+    model_params = {id(p) for m in models for p in m.parameters()}
+    for opt in optimizers:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if params and not any(id(p) in model_params for p in params):
+            raise ConfigError(f"{type(opt).__name__} optimizer holds {len(params)} param(s), none of which belong "
+                              f"to the model(s) passed to initialize(opt_level={props.opt_level!r}); it would "
+                              "train weights the half model never uses. Build it over model.parameters() of the "
+                              "model you pass, or pass that model too: initialize([model1, model2], optimizer)")
+
+
+def _guard_zero_grad(session):
+    """``optimizer.zero_grad()`` also clears the half model grads (O2) and the pending scale (all levels), so
+    after a failed batch it forgets that batch as it would without amp_patch (Apex patched each optimizer)."""
+    if not session.opt_states:
+        return
+    patcher = Patcher()
+
+    def make(original):
+        @functools.wraps(original)
+        def zero_grad(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            state = session.opt_states.get(id(self))
+            if state is not None and state.optimizer is self:
+                state.on_zero_grad(kwargs.get("set_to_none", args[0] if args else True))
+            return result
+        return zero_grad
+
+    patcher.install(torch.optim.Optimizer, "zero_grad", make)
+    session.undo.append(patcher.restore_all)
+    for state in session.opt_states.values():
+        if state.pairs and type(state.optimizer).zero_grad is not torch.optim.Optimizer.zero_grad:
+            log.warning("amp_patch: %s overrides zero_grad(); after a failed batch also call model.zero_grad() "
+                        "to clear the half model grads", type(state.optimizer).__name__)
 
 
 def _as_list(objs, what, kind):
@@ -203,9 +257,10 @@ def _log_configuration(props, verbosity):
 def deinitialize():
     """Undo ``initialize``: remove every patch and hook, restore models and optimizers. Safe to call twice."""
     session = _state.current()
+    if session is None:
+        return  # an open autocast() region (no session) keeps its engine: it removes its own patches on exit
     _state.deactivate()
-    if session is not None:
-        session.close()
+    session.close()
 
 
 def clear_cache():
@@ -228,7 +283,8 @@ def master_params(optimizer):
 
 def last_step_skipped(optimizer):
     """True when the optimizer's last ``step()`` was skipped because of an overflow."""
-    return _session("last_step_skipped").state_for(optimizer).last_skipped
+    session = _session("last_step_skipped")
+    return session.state_for(optimizer).last_skipped if session.enabled else False
 
 
 def loss_scale(loss_id=0):

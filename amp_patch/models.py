@@ -49,9 +49,9 @@ class ModelPatch:
                     self.original_dtypes.setdefault(id(t), (t, t.dtype))
                     old_data[id(t)] = t.data
                     t.data = t.data.to(dtype)
-                else:
-                    self.buffers.append((module, name, t.dtype))
-                    module._buffers[name] = t.to(dtype)
+                else:  # .data keeps the buffer object: restore gives the same tensor back
+                    self.buffers.append((module, name, t, t.dtype))
+                    t.data = t.data.to(dtype)
         return old_data
 
     def cast_io(self, input_dtype, output_dtype, keep_types):
@@ -104,8 +104,13 @@ class ModelPatch:
         for pid, (param, dtype) in self.original_dtypes.items():
             master = masters.get(pid)
             param.data = master.data if master is not None else param.data.to(dtype)
-        for module, name, dtype in reversed(self.buffers):
-            if module._buffers.get(name) is not None:
-                module._buffers[name] = module._buffers[name].to(dtype)
+            if param.grad is not None and param.grad.dtype is not dtype:
+                param.grad = None  # a half grad belongs to the half model (and may still be scaled)
+        for module, name, buffer, dtype in reversed(self.buffers):
+            current = module._buffers.get(name)
+            if current is buffer:
+                buffer.data = buffer.data.to(dtype)
+            elif current is not None:  # the model replaced the buffer while initialized
+                module._buffers[name] = current.to(dtype)
         self.original_dtypes.clear()
         self.buffers.clear()

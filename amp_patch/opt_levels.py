@@ -132,6 +132,11 @@ def _resolve_half_dtype(half_dtype, cast_model_type):
 
 
 def _check_module_types(types_):
+    if isinstance(types_, type):  # one class, as isinstance() accepts it
+        types_ = (types_,)
+    if not isinstance(types_, (tuple, list, set, frozenset)) and types_ is not None:
+        raise ConfigError(f"keep_fp32_modules={types_!r}; pass a tuple of nn.Module subclasses, e.g. "
+                          "keep_fp32_modules=(torch.nn.LayerNorm,)")
     types_ = tuple(types_ or ())
     for t in types_:
         if not (isinstance(t, type) and issubclass(t, torch.nn.Module)):

@@ -15,11 +15,16 @@ State machine per optimizer (per iteration)::
 A skipped step hides every gradient of the optimizer (sets it to None) for the
 duration of ``step()``, so no parameter and no optimizer state (momentum, Adam
 moments and step counts) changes, and LR schedulers still see a real call.
+
+``optimizer.zero_grad()`` (see ``frontend._guard_zero_grad``) also clears what amp_patch keeps beside the
+optimizer's own grads: the half model grads under master weights and the pending scale, so after a failed
+batch ``zero_grad()`` forgets it exactly as it would without amp_patch.
 """
 import torch
 
 from . import distributed
 from .casting import HALF_DTYPES
+from .errors import UsageError
 
 
 class OptimizerState:
@@ -37,6 +42,8 @@ class OptimizerState:
         self.pending_inf = False
         self.masters_stale = False
         self.engine = None  # the session's casting engine (O1): paused during step()
+        self.in_scale_loss = False  # an open scale_loss block names this optimizer (nesting is refused)
+        self.foreign = None  # (loss_id, [(param, grad, version)]): grads another loss's scale_loss left scaled
         self._known_groups = 0
         self._sync_groups(fp32_data or {})
         self._handles = [optimizer.register_step_pre_hook(self._pre_step),
@@ -90,6 +97,7 @@ class OptimizerState:
         exact), grads left scaled by another scaler (``delay_unscale``) are unscaled first.
         """
         self._sync_groups()
+        self.check_foreign("scale_loss")
         if self.pending_scaler is scaler:
             return
         if self.pending_scaler is not None:
@@ -124,9 +132,55 @@ class OptimizerState:
                 master.grad, model_p.grad = g, None
         return bool(found)
 
+    # -- grads written while this optimizer was not passed to scale_loss -------------------------------
+    def grad_snapshot(self):
+        """{id(param): (grad, version)} of every param backward may write (cheap: no tensor math)."""
+        return {id(p): (p.grad, p.grad._version if p.grad is not None else None) for p in self._grad_params()}
+
+    def note_foreign(self, snapshot, loss_id):
+        """After a scale_loss that did not name this optimizer: remember the grads its backward wrote."""
+        touched = [(p, p.grad, p.grad._version) for p in self._grad_params()
+                   if p.grad is not None and snapshot.get(id(p), (None, None)) != (p.grad, p.grad._version)]
+        if touched:
+            self.foreign = (loss_id, touched)
+
+    def check_foreign(self, where):
+        """Refuse to use grads that another loss's scale_loss left multiplied by its loss scale."""
+        if self.foreign is None:
+            return
+        loss_id, touched = self.foreign
+        if not any(p.grad is g and g._version == v for p, g, v in touched):
+            self.foreign = None
+            return
+        name = type(self.optimizer).__name__
+        raise UsageError(f"{where}: this {name} optimizer's grads were written by the backward of "
+                         f"scale_loss(loss, ..., loss_id={loss_id}), which did not name it, so they are still "
+                         f"multiplied by the loss scale. Pass this optimizer to that scale_loss call "
+                         f"(scale_loss(loss, [opt1, opt2])), or clear its grads (optimizer.zero_grad()) first.")
+
+    def on_zero_grad(self, set_to_none):
+        """``optimizer.zero_grad()`` ran: clear the half model grads too and forget any pending scale."""
+        for model_p, _ in self.pairs:
+            if model_p.grad is not None:
+                if set_to_none:
+                    model_p.grad = None
+                else:
+                    model_p.grad.detach_().zero_()
+        self.pending_scaler, self.pending_inf, self.skip_next, self.foreign = None, False, False, None
+
+    def _check_backward_outside(self):
+        """Master weights: half model grads with no scale_loss pending come from a plain ``loss.backward()``."""
+        if self.pending_scaler is None and any(p.grad is not None for p, _ in self.pairs):
+            raise UsageError(f"{type(self.optimizer).__name__}.step(): the half model params have gradients that "
+                             "no amp_patch.scale_loss() block produced (a plain loss.backward()?); under master "
+                             "weights (O2) those never reach the fp32 weights. Run backward inside "
+                             "'with amp_patch.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()'.")
+
     # -- step hooks -----------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs):
         self._sync_groups()
+        self.check_foreign("optimizer.step()")
+        self._check_backward_outside()
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
         if self.engine is not None and closure is None:  # a closure runs a forward: keep casting for it
             self.engine.pause_for_step()

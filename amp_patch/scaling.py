@@ -19,10 +19,38 @@ def current_session(api):
 
 def _optimizer_list(optimizers):
     items = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if not items:
+        raise UsageError("scale_loss(loss, []) names no optimizer, so the scaled grads would never be unscaled; "
+                         "pass the optimizer(s) whose params this loss trains: scale_loss(loss, optimizer)")
     for opt in items:
         if not isinstance(opt, torch.optim.Optimizer):
             raise ConfigError(f"scale_loss expects an optimizer or a list of optimizers; got {type(opt).__name__}")
     return items
+
+
+def _check_loss(loss):
+    """A loss scale_loss can scale and backward: a floating scalar tensor that requires grad."""
+    if not isinstance(loss, torch.Tensor):
+        raise UsageError(f"scale_loss got a {type(loss).__name__} ({loss!r:.40}) as the loss; pass the loss "
+                         "tensor itself (not loss.item()): scale_loss(loss, optimizer)")
+    if loss.numel() != 1:
+        raise UsageError(f"scale_loss got a loss of shape {tuple(loss.shape)}; backward needs a scalar: reduce it "
+                         "first, e.g. scale_loss(loss.mean(), optimizer)")
+    if not loss.is_floating_point():
+        raise UsageError(f"scale_loss got a {loss.dtype} loss, which has no gradient; compute the loss in a "
+                         "floating dtype (e.g. criterion(output.float(), target))")
+    if not loss.requires_grad:
+        raise UsageError("scale_loss got a loss that does not require grad (computed under torch.no_grad(), "
+                         "from detached tensors, or from a model with requires_grad=False params); compute it "
+                         "with grad enabled, or skip scale_loss for evaluation losses")
+
+
+def _check_not_nested(states):
+    for state in states:
+        if state.in_scale_loss:
+            raise UsageError(f"scale_loss is already open for this {type(state.optimizer).__name__} optimizer "
+                             "(nested scale_loss blocks on one optimizer lose the inner gradient); exit the "
+                             "outer block first, or scale the sum: scale_loss(loss1 + loss2, optimizer)")
 
 
 @contextlib.contextmanager
@@ -31,14 +59,17 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
 
     ``model`` (optional): the DDP-wrapped model; under master weights a non-delayed exit inside its
     ``no_sync()`` is refused (those grads would leave ``param.grad`` before DDP reduces them).
-    ``delay_overflow_check`` is accepted for Apex compatibility and ignored.
+    ``delay_overflow_check`` is accepted for Apex compatibility and ignored. An exception inside the block
+    leaves the grads scaled and pending; ``optimizer.zero_grad()`` then forgets them (docs/usage.md).
     """
     session = current_session("scale_loss")
     if not session.enabled:
         yield loss
         return
+    _check_loss(loss)
     scaler = session.scaler(loss_id)
     states = [session.state_for(opt) for opt in _optimizer_list(optimizers)]
+    _check_not_nested(states)
     if session.engine is not None:
         session.engine.resume_after_step()
     if model is not None and any(state.pairs for state in states):
@@ -48,7 +79,20 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
         _warn_if_masters_diverged(states)
     for state in states:
         state.before_backward(scaler)
-    yield loss.float() * scaler.scale
+    others = _foreign_snapshots(session, states)
+    scaled = loss.float() * scaler.scale
+    probe = _BackwardProbe(loss, scaled)
+    for state in states:
+        state.in_scale_loss = True
+    try:
+        yield scaled
+    finally:
+        for state in states:
+            state.in_scale_loss = False
+        probe.remove()
+        for state, snapshot in others:
+            state.note_foreign(snapshot, loss_id)
+    probe.check()
     with _quiet(session):  # amp_patch's own bookkeeping ops must not run through the casting wrappers
         found_inf = False
         for state in states:
@@ -56,6 +100,36 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
         if not delay_unscale:
             _finish_step(session, scaler, loss_id, states, distributed.agree_overflow(found_inf))
     session.clear_cache()
+
+
+def _foreign_snapshots(session, states):
+    """Optimizers of the session not passed to this scale_loss: what their grads are before this backward."""
+    passed = {id(state) for state in states}
+    return [(state, state.grad_snapshot()) for state in session.opt_states.values() if id(state) not in passed]
+
+
+class _BackwardProbe:
+    """Tells ``loss.backward()`` inside the block (grads 1/scale too small) from ``scaled_loss.backward()``."""
+
+    def __init__(self, loss, scaled):
+        self.loss_seen = self.scaled_seen = False
+        self.handles = [loss.register_hook(self._on_loss), scaled.register_hook(self._on_scaled)]
+
+    def _on_loss(self, grad):
+        self.loss_seen = True
+
+    def _on_scaled(self, grad):
+        self.scaled_seen = True
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+    def check(self):
+        if self.loss_seen and not self.scaled_seen:
+            raise UsageError("loss.backward() ran inside 'with amp_patch.scale_loss(loss, ...) as scaled_loss:', "
+                             "so the grads are not scaled and unscaling made them 1/scale too small; call "
+                             "scaled_loss.backward() inside the block")
 
 
 def _quiet(session):

@@ -17,7 +17,7 @@ def _patched_namespaces():
     """Every target of every shipped op list, plus the namespaces user registrations and tests touch."""
     from amp_patch._resolve import resolve_target
 
-    found = {id(ns): ns for ns in (torch, F, torch.Tensor, torch._C.TensorBase, torch._VF)}
+    found = {id(ns): ns for ns in (torch, F, torch.Tensor, torch._C.TensorBase, torch._VF, torch.optim.Optimizer)}
     for name in amp_patch.shipped_names():
         for entry in amp_patch.load_op_lists(name).entries:
             target = resolve_target(entry.target)

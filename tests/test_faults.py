@@ -1,0 +1,152 @@
+"""Fault injection: an exception (or a real SIGINT) at each point of a training step, under O1/O2/O3 x fp16/bf16.
+
+Each run trains 4 steps of 2 micro-batches (the first with delay_unscale=True), calling
+``optimizer.zero_grad()`` at the start of each step, as a plain PyTorch loop does. The faulty run
+raises during step 1 and carries on; the reference run never sees step 1's batch. Everything after must
+be bit-identical (params, optimizer state, loss scale), and ``deinitialize()`` must give back the same
+param and buffer objects in their original dtypes with float32 (or no) grads.
+"""
+import os
+import signal
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import amp_patch
+
+POINTS = ("forward", "after_delayed", "before_backward", "after_backward", "sigint_backward", "step")
+LEVELS = [("O1", torch.float16), ("O1", torch.bfloat16), ("O2", torch.float16), ("O2", torch.bfloat16),
+          ("O3", torch.float16), ("O3", torch.bfloat16)]
+FAULT_STEP = 1
+
+
+class Fault(Exception):
+    pass
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin1 = torch.nn.Linear(4, 8)
+        self.lin2 = torch.nn.Linear(8, 2)
+        self.register_buffer("shift", torch.linspace(-0.5, 0.5, 8))
+
+    def forward(self, x):
+        return self.lin2(torch.relu(self.lin1(x) + self.shift))
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [[(torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)) for _ in range(2)] for _ in range(4)]
+
+
+def _loss(model, x, y, fault):
+    if fault == "forward":
+        handle = model.lin1.register_forward_hook(lambda *a: (_ for _ in ()).throw(Fault("in forward")))
+        try:
+            model(x)
+        finally:
+            handle.remove()
+    out = model(x)
+    if fault == "sigint_backward":
+        out.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGINT))
+    return F.mse_loss(out.float(), y)
+
+
+def _train_step(model, opt, micro, fault=None):
+    opt.zero_grad()
+    (x1, y1), (x2, y2) = micro
+    with amp_patch.scale_loss(_loss(model, x1, y1, None), opt, delay_unscale=True) as scaled:
+        scaled.backward()
+    if fault == "after_delayed":
+        raise Fault("between micro-batches")
+    loss = _loss(model, x2, y2, fault)
+    with amp_patch.scale_loss(loss, opt) as scaled:
+        if fault == "before_backward":
+            raise Fault("before backward")
+        scaled.backward()
+        if fault == "after_backward":
+            raise Fault("after backward")
+    handle = None
+    if fault == "step":  # runs after amp_patch's own step pre-hook
+        handle = opt.register_step_pre_hook(lambda *a: (_ for _ in ()).throw(Fault("in step")))
+    try:
+        opt.step()
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _kwargs(level, dtype):
+    return {"opt_level": level, "half_dtype": dtype, "verbosity": 0}
+
+
+def _run(level, dtype, fault):
+    """Train; returns (model, optimizer, loss scale, originals before initialize)."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = [(t, t.dtype) for t in list(model.parameters()) + list(model.buffers())]
+    model, opt = amp_patch.initialize(model, opt, **_kwargs(level, dtype))
+    for i, micro in enumerate(_batches()):
+        if i != FAULT_STEP:
+            _train_step(model, opt, micro)
+        elif fault is not None:
+            with pytest.raises(KeyboardInterrupt if fault == "sigint_backward" else Fault):
+                _train_step(model, opt, micro, fault)
+    scale = amp_patch.loss_scale()
+    momentum = [opt.state[p]["momentum_buffer"].clone() for p in amp_patch.master_params(opt)]
+    amp_patch.deinitialize()
+    return model, opt, scale, momentum, before
+
+
+@pytest.mark.parametrize("level,dtype", LEVELS, ids=[f"{lv}-{str(dt)[6:]}" for lv, dt in LEVELS])
+def test_a_failed_step_is_forgotten_after_zero_grad(level, dtype):
+    ref_model, _, ref_scale, ref_momentum, _ = _run(level, dtype, None)
+    ref_state = {k: v.clone() for k, v in ref_model.state_dict().items()}
+    for point in POINTS:
+        model, opt, scale, momentum, before = _run(level, dtype, point)
+        assert scale == ref_scale, point
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, ref_state[name]), f"{point}: {name} differs from the run without the batch"
+        for mine, ref in zip(momentum, ref_momentum):
+            assert torch.equal(mine, ref), f"{point}: optimizer momentum differs"
+        after = list(model.parameters()) + list(model.buffers())
+        assert all(a is b and a.dtype is dt for (a, dt), b in zip(before, after)), f"{point}: objects/dtypes"
+        assert all(p.grad is None or p.grad.dtype is torch.float32 for p in model.parameters()), point
+        assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters()), point
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_deinitialize_after_an_interrupted_backward_leaves_no_half_grad(level):
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = amp_patch.initialize(model, opt, opt_level=level, verbosity=0)
+    (x, y), _ = _batches()[0]
+    with pytest.raises(Fault):
+        with amp_patch.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+            raise Fault("after backward")
+    amp_patch.deinitialize()
+    assert all(p.grad is None and p.dtype is torch.float32 for p in model.parameters())
+    assert model.shift.dtype is torch.float32
+    F.mse_loss(model(x), y).backward()  # fp32 Adam on the restored model works (fp16 grads made it crash)
+    opt.step()
+    assert all(p.grad.dtype is torch.float32 for p in model.parameters())
+
+
+def test_o2_zero_grad_clears_the_half_model_grads_and_the_pending_scale():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O2", verbosity=0)
+    (x, y), _ = _batches()[0]
+    with pytest.raises(Fault):
+        with amp_patch.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+            raise Fault("after backward")
+    assert all(p.grad is not None and p.grad.dtype is torch.float16 for p in model.parameters())
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    state = amp_patch._state.current().state_for(opt)
+    assert state.pending_scaler is None and not state.skip_next

@@ -1,16 +1,22 @@
 """Resolve op-list targets and names to torch objects, and decide what may be patched.
 
-Op lists may only name callables that torch itself defines, inside torch's own
-namespaces. This module answers "is ``torch.nn.functional.linear`` patchable?"
-with either the object or a message that says why not.
+Op lists may only name tensor ops that torch itself defines, inside torch's own
+namespaces that are already imported (loading a list never imports a module).
+This module answers "is ``torch.nn.functional.linear`` patchable?" with either
+the object or a message that says why not. A tensor op is a function torch's
+``__torch_function__`` protocol covers (``torch.overrides``), a builtin of one of
+torch's C op namespaces, or a method of ``torch.Tensor``; ``torch.save``,
+``torch.manual_seed`` and the like are refused by name.
 """
-import importlib
+import functools
 import re
+import sys
 import types
 
 import torch
 
 from .errors import ConfigError
+from .patcher import _MISSING, find_site
 
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -46,11 +52,12 @@ def resolve_target(target):
     for i, part in enumerate(target.split(".")[1:], start=2):
         nxt = _getattr(obj, part)
         if nxt is None:
-            try:
-                nxt = importlib.import_module(".".join(target.split(".")[:i]))
-            except Exception:  # noqa: BLE001 - ImportError, or whatever a torch submodule raises on import
-                raise ConfigError(f"target {target!r} does not exist in torch {torch.__version__}; "
-                                  f"known targets: {', '.join(KNOWN_TARGETS)}") from None
+            prefix = ".".join(target.split(".")[:i])
+            nxt = sys.modules.get(prefix)
+            if nxt is None:
+                raise ConfigError(f"target {target!r}: {prefix} does not exist in torch {torch.__version__} or is "
+                                  "not imported (loading an op list never imports a module); import it before "
+                                  f"loading the list, or use a known target: {', '.join(KNOWN_TARGETS)}")
         obj = nxt
     _check_namespace(target, obj)
     return obj
@@ -75,13 +82,35 @@ def _defined_by_torch(obj):
 
 
 def lookup(owner, name):
-    """The attribute ``name`` of ``owner`` the way a call site sees it, or None."""
-    if isinstance(owner, type):
-        for klass in owner.__mro__:
-            if name in vars(klass):
-                return vars(klass)[name]
-        return None
-    return _getattr(owner, name)
+    """The attribute ``name`` of ``owner`` the way a call site sees it, or None (the patcher's lookup)."""
+    seen = find_site(owner, name)[1]
+    return None if seen is _MISSING else seen
+
+
+@functools.lru_cache(maxsize=1)
+def _overridable():
+    import torch.overrides
+
+    return frozenset(f for funcs in torch.overrides.get_overridable_functions().values() for f in funcs)
+
+
+def _op_namespaces():
+    c = torch._C
+    return tuple(getattr(c, n) for n in ("_VariableFunctions", "_nn", "_linalg", "_special", "_fft", "_nested",
+                                          "_sparse") if hasattr(c, n))
+
+
+def is_tensor_op(obj):
+    """True for tensor ops (see the module docstring), False for torch's other callables."""
+    try:
+        if obj in _overridable():
+            return True
+    except TypeError:  # unhashable
+        return False
+    if isinstance(getattr(obj, "__objclass__", None), type) and issubclass(obj.__objclass__, torch._C.TensorBase):
+        return True
+    name = getattr(obj, "__name__", None)
+    return isinstance(name, str) and any(getattr(ns, name, None) is obj for ns in _op_namespaces())
 
 
 def _getattr(obj, name):
@@ -109,4 +138,9 @@ def resolve_name(target, owner, name):
     if not _defined_by_torch(obj):
         raise ConfigError(f"{target}.{name} is {obj!r}, which torch does not define; only torch's own "
                           "functions may be listed")
+    if not is_tensor_op(obj):
+        where = getattr(obj, "__module__", None) or "torch"
+        raise ConfigError(f"{target}.{name} ({where}.{getattr(obj, '__qualname__', name)}) is not a tensor op, so "
+                          "casting its arguments would change what it does (e.g. save fp16 checkpoints); list "
+                          "tensor ops such as torch.matmul or torch.nn.functional.softmax")
     return obj

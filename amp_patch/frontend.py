@@ -80,11 +80,10 @@ def _check_not_initialized():
 
 
 def _check_enabled(enabled):
-    if isinstance(enabled, bool):
-        return
-    hint = (f" The third positional argument is 'enabled'; pass the opt level by name: "
-            f"initialize(model, optimizer, opt_level={enabled!r})") if isinstance(enabled, str) else ""
-    raise ConfigError(f"enabled={enabled!r}; allowed: True or False.{hint}")
+    """A string is always true: ``initialize(model, opt, "O2")`` would silently run O1."""
+    if isinstance(enabled, str):
+        raise ConfigError(f"enabled={enabled!r}; allowed: True or False. The third positional argument is "
+                          f"'enabled'; pass the opt level by name: initialize(model, optimizer, opt_level={enabled!r})")
 
 
 def _check_optimizers_train_models(props, models, optimizers):

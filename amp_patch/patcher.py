@@ -1,7 +1,7 @@
 """Exactly reversible attribute patches.
 
-A patch site is found the way ``wrapt.resolve_path`` finds one: on a class the
-owner is the first class in the MRO whose ``__dict__`` holds the name. We
+A patch site is found (``find_site``) the way ``wrapt.resolve_path`` finds one: on a class
+the value is the first one in the MRO whose ``__dict__`` holds the name. We
 always install on the *target* (so ``torch.Tensor.softmax`` shadows the
 inherited ``torch._C.TensorBase.softmax``) and remember whether the name was
 the target's own attribute: undoing an inherited one means ``delattr``, undoing
@@ -29,8 +29,13 @@ class Patch:
     replacement: object
 
 
-def _own_raw(target, name):
-    """The raw attribute in ``target.__dict__`` (or _MISSING) and the value a caller sees."""
+def find_site(target, name):
+    """The one patch-site lookup (op-list validation uses it too): ``(raw, seen)``.
+
+    ``raw`` is ``target.__dict__[name]`` or ``_MISSING``; ``seen`` is what a caller of ``target.name`` gets: on a
+    class the first ``__dict__`` in the MRO that holds the name (no descriptor is bound), on a module its
+    attribute, ``_MISSING`` if none (also when the namespace raises for unknown names, as ``torch.ops`` does).
+    """
     raw = vars(target).get(name, _MISSING)
     if isinstance(target, type):
         for klass in target.__mro__:
@@ -39,7 +44,10 @@ def _own_raw(target, name):
         return raw, _MISSING
     if raw is not _MISSING:
         return raw, raw
-    return raw, getattr(target, name, _MISSING)
+    try:
+        return raw, getattr(target, name, _MISSING)
+    except Exception:  # noqa: BLE001 - torch.classes / torch.ops namespaces raise RuntimeError
+        return raw, _MISSING
 
 
 class Patcher:
@@ -61,7 +69,7 @@ class Patcher:
         site = (id(target), name)
         if site in self._sites:
             raise PatchError(f"{_qualname(target)}.{name} is already patched by this session")
-        raw, original = _own_raw(target, name)
+        raw, original = find_site(target, name)
         if original is _MISSING:
             raise PatchError(f"{_qualname(target)}.{name} does not exist; nothing to patch")
         replacement = make_replacement(original)

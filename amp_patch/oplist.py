@@ -151,7 +151,7 @@ def _load_one(spec, base, stack, relative_to=None):
         text, path, folder = _read_shipped(spec)
     else:
         text, path, folder = _read_path(spec, relative_to)
-    key = os.path.abspath(path) if folder else path
+    key = os.path.realpath(path) if folder else path  # realpath: a symlinked folder cannot hide a cycle
     if key in stack:
         raise ConfigError(f"op list {path!r} extends itself through {' -> '.join(stack)}; remove the cycle")
     doc = _yaml.load(text, path)

@@ -211,7 +211,7 @@ def _scale_no_grad(_):
 TMP_ROWS = [  # rows that need a file
     ("op_list_torch_save", "half:\n  torch: [save]\n", OpListError, r"not a tensor op"),
     ("op_list_manual_seed", "float:\n  torch: [manual_seed]\n", OpListError, r"list tensor ops such as"),
-    ("op_list_unimported_module", "half:\n  torch.testing._internal.common_utils: [run_tests]\n", OpListError,
+    ("op_list_unimported_module", "half:\n  torch.utils.bottleneck: [main]\n", OpListError,
      r"import it before"),
 ]
 

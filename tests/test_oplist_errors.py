@@ -591,7 +591,9 @@ CASES = [
           torch: a: b         # <--
         """, "invalid YAML"),
     C("control_character", "description: x\nhalf:\n  torch: [mat\x07mul]  " + MARK + "\n", "invalid YAML"),
-    C("deep_nesting_is_whole_file", "description: " + "[" * 3000 + "]" * 3000 + "\n", "nested too deeply"),
+    C("deep_nesting", "description: " + "[" * 3000 + "]" * 3000 + "  # <--\n", "nest"),
+    C("nested_deeper_than_the_limit", "description: " + "[" * 40 + "]" * 40 + "  # <--\n", "flatten it"),
+    C("too_large_is_whole_file", "description: " + "x" * (4 * 1024 * 1024) + "\n", "split it with 'extends'"),
 ]
 
 
@@ -628,7 +630,7 @@ def test_case_count():
 
 def test_only_whole_file_cases_lack_a_line():
     unmarked = [c.id for c in CASES if not c.line and _marked_line(c.files.get(c.err_file, c.text)) is None]
-    assert unmarked == ["deep_nesting_is_whole_file"]
+    assert unmarked == ["too_large_is_whole_file"]
 
 
 # -------------------------------------------------------------------------- valid lists that must load

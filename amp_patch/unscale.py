@@ -48,8 +48,9 @@ def _check_and_unscale_group(tensors, found, inv_tensor, inv_scale):
 
 
 def _any_nonfinite(groups):
-    """Scale 1.0 (e.g. bf16): nothing to multiply, only the check. A per-tensor fp32 sum is non-finite iff the
-    tensor holds inf/NaN (barring a sum beyond 3.4e38 of finite values): one read pass instead of read+write."""
+    """Scale 1.0 (e.g. bf16): nothing to multiply, only the check. A per-tensor fp32 sum is finite only if the
+    tensor holds no inf/NaN: one read pass instead of read+write. A non-finite sum may also come from finite values
+    summing beyond 3.4e38, so the caller confirms a True with the exact check."""
     flags = []
     for device, by_dtype in groups.items():
         sums = [t.sum(dtype=torch.float32) for tensors in by_dtype.values() for t in tensors]
@@ -70,7 +71,9 @@ def _numel(groups):
 def _unscale_groups(groups, scale):
     """Unscale every tensor of ``groups`` in place; one host sync for the found-inf flag."""
     if scale == 1.0 and torch.get_num_threads() > 1 and _numel(groups) > _READ_ONLY_MIN:
-        return _any_nonfinite(groups)  # large: a parallel read-only pass beats the fused read+write kernel
+        if not _any_nonfinite(groups):  # large: a parallel read-only pass beats the fused read+write kernel
+            return False
+        # inf/NaN, or finite grads whose sum overflows fp32 (rare): the exact check below decides (x * 1.0 == x)
     inv_scale = 1.0 / scale
     founds = []
     for device, by_dtype in groups.items():

@@ -150,3 +150,20 @@ def test_o2_zero_grad_clears_the_half_model_grads_and_the_pending_scale():
     assert all(p.grad is None for p in model.parameters())
     state = amp_patch._state.current().state_for(opt)
     assert state.pending_scaler is None and not state.skip_next
+
+
+def test_o1_casting_resumes_at_zero_grad_after_a_step_that_raised():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O1", verbosity=0)
+    (x, y), _ = _batches()[0]
+    with amp_patch.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+        scaled.backward()
+    handle = opt.register_step_pre_hook(lambda *a: (_ for _ in ()).throw(Fault("in step")))
+    with pytest.raises(Fault):
+        opt.step()
+    handle.remove()
+    a = torch.randn(2, 2)
+    assert torch.mm(a, a).dtype is torch.float32  # still paused: the step never reached its post-hook
+    opt.zero_grad()
+    assert torch.mm(a, a).dtype is torch.float16

@@ -81,6 +81,10 @@ class OptimizerState:
         for group in self.optimizer.param_groups:
             yield from group["params"]
 
+    def _any_grad(self):
+        return any(p.grad is not None for group in self.optimizer.param_groups for p in group["params"]) or any(
+            p.grad is not None for p, _ in self.pairs)
+
     def _grad_params(self):
         """Params whose .grad backward fills: model params (under masters, the half ones) and fp32 params."""
         for group in self.optimizer.param_groups:
@@ -98,6 +102,8 @@ class OptimizerState:
         """
         self._sync_groups()
         self.check_foreign("scale_loss")
+        if self.skip_next and not self._any_grad():
+            self.skip_next = False  # grads cleared (e.g. model.zero_grad()) after an overflow: nothing to skip
         if self.pending_scaler is scaler:
             return
         if self.pending_scaler is not None:

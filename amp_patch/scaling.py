@@ -66,6 +66,24 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
     if not session.enabled:
         yield loss
         return
+    scaler, states = _begin(session, loss, optimizers, loss_id, model, delay_unscale)
+    others = _foreign_snapshots(session, states)
+    scaled = loss.float() * scaler.scale
+    probe = _BackwardProbe(loss, scaled)
+    _mark_open(states, True)
+    try:
+        yield scaled
+    finally:
+        _mark_open(states, False)
+        probe.remove()
+        for state, snapshot in others:
+            state.note_foreign(snapshot, loss_id)
+    probe.check()
+    _end(session, scaler, loss_id, states, delay_unscale)
+
+
+def _begin(session, loss, optimizers, loss_id, model, delay_unscale):
+    """Check the arguments, end a step pause, bring grads already accumulated to the scale; (scaler, states)."""
     _check_loss(loss)
     scaler = session.scaler(loss_id)
     states = [session.state_for(opt) for opt in _optimizer_list(optimizers)]
@@ -79,20 +97,16 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
         _warn_if_masters_diverged(states)
     for state in states:
         state.before_backward(scaler)
-    others = _foreign_snapshots(session, states)
-    scaled = loss.float() * scaler.scale
-    probe = _BackwardProbe(loss, scaled)
+    return scaler, states
+
+
+def _mark_open(states, is_open):
     for state in states:
-        state.in_scale_loss = True
-    try:
-        yield scaled
-    finally:
-        for state in states:
-            state.in_scale_loss = False
-        probe.remove()
-        for state, snapshot in others:
-            state.note_foreign(snapshot, loss_id)
-    probe.check()
+        state.in_scale_loss = is_open
+
+
+def _end(session, scaler, loss_id, states, delay_unscale):
+    """Unscale (unless delayed), agree on overflow across ranks, update the scaler; drop cached casts."""
     with _quiet(session):  # amp_patch's own bookkeeping ops must not run through the casting wrappers
         found_inf = False
         for state in states:

@@ -167,3 +167,18 @@ def test_o1_casting_resumes_at_zero_grad_after_a_step_that_raised():
     assert torch.mm(a, a).dtype is torch.float32  # still paused: the step never reached its post-hook
     opt.zero_grad()
     assert torch.mm(a, a).dtype is torch.float16
+
+
+@pytest.mark.parametrize("level", ["O1", "O3"])
+def test_module_zero_grad_after_an_overflow_does_not_skip_the_next_step(level):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level=level, loss_scale=128.0, verbosity=0)
+    (x, y), (x2, y2) = _batches()[0]
+    with amp_patch.scale_loss(F.mse_loss(model(x).float(), y) * float("inf"), opt) as scaled:
+        scaled.backward()  # overflow: the next step() would be skipped
+    model.zero_grad()  # ... but the batch is abandoned before step()
+    with amp_patch.scale_loss(F.mse_loss(model(x2).float(), y2), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not amp_patch.last_step_skipped(opt)

@@ -222,13 +222,29 @@ def _reach_early_bound(session, models):
 
 
 def _guard_step_pause(session, models):
-    """O1 pauses casting inside optimizer.step(); a step that raised must not leave it paused into the next
-    forward of a model (nor into scale_loss, which resumes too)."""
+    """O1 pauses casting inside optimizer.step() (its pre-hook); post-hooks do not run when step() raises, so the
+    step of each optimizer class in the session ends the pause in a ``finally`` (a class-level patch, undone by
+    deinitialize). Forwards of the models and scale_loss resume too."""
     if session.engine is None:
         return
     resume = session.engine.resume_after_step
     for model in models:
         session.undo.append(model.register_forward_pre_hook(lambda module, args: resume()).remove)
+    patcher = Patcher()
+    session.undo.append(patcher.restore_all)
+
+    def make(original):
+        @functools.wraps(original)  # also copies torch's ``hooked`` flag, so torch does not wrap it again
+        def step(self, *args, **kwargs):
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                resume()
+        return step
+
+    for cls in dict.fromkeys(type(state.optimizer) for state in session.opt_states.values()):
+        if "step" in vars(cls):
+            patcher.install(cls, "step", make)
 
 
 def _set_up_diagnostics(session, models, diagnose_overflow, history_size):

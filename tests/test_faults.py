@@ -152,9 +152,10 @@ def test_o2_zero_grad_clears_the_half_model_grads_and_the_pending_scale():
     assert state.pending_scaler is None and not state.skip_next
 
 
-def test_o1_casting_resumes_at_zero_grad_after_a_step_that_raised():
+def test_o1_casting_resumes_when_a_step_raises():
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sgd_step = vars(torch.optim.SGD)["step"]
     model, opt = amp_patch.initialize(model, opt, opt_level="O1", verbosity=0)
     (x, y), _ = _batches()[0]
     with amp_patch.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
@@ -164,9 +165,11 @@ def test_o1_casting_resumes_at_zero_grad_after_a_step_that_raised():
         opt.step()
     handle.remove()
     a = torch.randn(2, 2)
-    assert torch.mm(a, a).dtype is torch.float32  # still paused: the step never reached its post-hook
+    assert torch.mm(a, a).dtype is torch.float16  # the step's post-hook never ran; its class-level guard did
     opt.zero_grad()
     assert torch.mm(a, a).dtype is torch.float16
+    amp_patch.deinitialize()
+    assert vars(torch.optim.SGD)["step"] is sgd_step
 
 
 @pytest.mark.parametrize("level", ["O1", "O3"])

@@ -20,6 +20,8 @@ moments and step counts) changes, and LR schedulers still see a real call.
 optimizer's own grads: the half model grads under master weights and the pending scale, so after a failed
 batch ``zero_grad()`` forgets it exactly as it would without amp_patch.
 """
+import weakref
+
 import torch
 
 from . import distributed
@@ -44,6 +46,7 @@ class OptimizerState:
         self.engine = None  # the session's casting engine (O1): paused during step()
         self.in_scale_loss = False  # an open scale_loss block names this optimizer (nesting is refused)
         self.foreign = None  # (loss_id, [(param, grad, version)]): grads another loss's scale_loss left scaled
+        self.own_exit = None  # grad_snapshot() when the last scale_loss naming this optimizer inside another exited
         self._known_groups = 0
         self._sync_groups(fp32_data or {})
         self._handles = [optimizer.register_step_pre_hook(self._pre_step),
@@ -140,22 +143,25 @@ class OptimizerState:
 
     # -- grads written while this optimizer was not passed to scale_loss -------------------------------
     def grad_snapshot(self):
-        """{id(param): (grad, version)} of every param backward may write (cheap: no tensor math)."""
-        return {id(p): (p.grad, p.grad._version if p.grad is not None else None) for p in self._grad_params()}
+        """{id(param): (weakref to grad, version)} of every param backward may write (no tensor math, and no
+        reference that would keep a cleared grad alive)."""
+        return {id(p): _grad_key(p.grad) for p in self._grad_params() if p.grad is not None}
 
     def note_foreign(self, snapshot, loss_id):
-        """After a scale_loss that did not name this optimizer: remember the grads its backward wrote."""
-        touched = [(p, p.grad, p.grad._version) for p in self._grad_params()
-                   if p.grad is not None and snapshot.get(id(p), (None, None)) != (p.grad, p.grad._version)]
+        """After a scale_loss that did not name this optimizer: remember the grads its backward wrote (not those
+        a scale_loss naming it wrote since: ``own_exit``, taken when such a block nested inside this one exits)."""
+        own = self.own_exit or {}
+        touched = [(id(p), _grad_key(p.grad)) for p in self._grad_params() if p.grad is not None
+                   and not _same(snapshot.get(id(p)), p.grad) and not _same(own.get(id(p)), p.grad)]
         if touched:
-            self.foreign = (loss_id, touched)
+            self.foreign = (loss_id, dict(touched))
 
     def check_foreign(self, where):
         """Refuse to use grads that another loss's scale_loss left multiplied by its loss scale."""
         if self.foreign is None:
             return
         loss_id, touched = self.foreign
-        if not any(p.grad is g and g._version == v for p, g, v in touched):
+        if not any(_same(touched.get(id(p)), p.grad) for p in self._grad_params() if p.grad is not None):
             self.foreign = None
             return
         name = type(self.optimizer).__name__
@@ -173,6 +179,7 @@ class OptimizerState:
                 else:
                     model_p.grad.detach_().zero_()
         self.pending_scaler, self.pending_inf, self.skip_next, self.foreign = None, False, False, None
+        self.own_exit = None
 
     def _check_backward_outside(self):
         """Master weights: half model grads with no scale_loss pending come from a plain ``loss.backward()``."""
@@ -226,6 +233,15 @@ class OptimizerState:
         model_of = {id(m): p for p, m in self.pairs}
         for group in self.optimizer.param_groups:
             group["params"] = [model_of.get(id(p), p) for p in group["params"]]
+
+
+def _grad_key(grad):
+    return weakref.ref(grad), grad._version
+
+
+def _same(key, grad):
+    """Is ``grad`` the very tensor ``key`` recorded, unchanged since?"""
+    return key is not None and grad is not None and key[0]() is grad and key[1] == grad._version
 
 
 def _rescale(grads, factor):

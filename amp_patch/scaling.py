@@ -76,8 +76,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
     finally:
         _mark_open(states, False)
         probe.remove()
-        for state, snapshot in others:
-            state.note_foreign(snapshot, loss_id)
+        _note_grads_written(session, states, others, loss_id)
     probe.check()
     _end(session, scaler, loss_id, states, delay_unscale)
 
@@ -114,6 +113,16 @@ def _end(session, scaler, loss_id, states, delay_unscale):
         if not delay_unscale:
             _finish_step(session, scaler, loss_id, states, distributed.agree_overflow(found_inf))
     session.clear_cache()
+
+
+def _note_grads_written(session, states, others, loss_id):
+    """Grads this backward wrote into optimizers it did not name stay scaled: mark them (refused until cleared).
+    Inside an enclosing open block, remember what this block left in its own optimizers: that is not foreign."""
+    for state, snapshot in others:
+        state.note_foreign(snapshot, loss_id)
+    if any(state.in_scale_loss for state in session.opt_states.values()):
+        for state in states:
+            state.own_exit = state.grad_snapshot()
 
 
 def _foreign_snapshots(session, states):

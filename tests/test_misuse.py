@@ -118,10 +118,6 @@ def _register_after():
     amp_patch.register_half_function(torch, "matmul")
 
 
-def _model():
-    return _net()
-
-
 ROWS = [
     # initialize: what is passed
     ("models_none", lambda: amp_patch.initialize(None, _sgd(_net())), ConfigError, r"pass the model"),
@@ -282,3 +278,19 @@ def test_a_foreign_grad_cleared_by_zero_grad_is_accepted():
     with amp_patch.scale_loss(_loss(model), [opt_a, opt_b]) as scaled:
         scaled.backward()
     opt_b.step()
+
+
+def test_blocks_on_different_optimizers_may_nest():
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 2), "b": torch.nn.Linear(4, 2)})
+    opt_a = torch.optim.SGD(model["a"].parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(model["b"].parameters(), lr=0.1)
+    model, (opt_a, opt_b) = amp_patch.initialize(model, [opt_a, opt_b], num_losses=2, verbosity=0)
+    x = torch.randn(3, 4)
+    with amp_patch.scale_loss(model["a"](x).float().pow(2).mean(), opt_a, loss_id=0) as outer:
+        with amp_patch.scale_loss(model["b"](x).float().pow(2).mean(), opt_b, loss_id=1) as inner:
+            inner.backward()
+        outer.backward()
+    opt_a.step()
+    opt_b.step()  # the inner block unscaled b's grads: nothing foreign is left
+    assert not amp_patch.last_step_skipped(opt_a) and not amp_patch.last_step_skipped(opt_b)

@@ -113,7 +113,7 @@ def _guard_zero_grad(session):
             result = original(self, *args, **kwargs)
             state = session.opt_states.get(id(self))
             if state is not None and state.optimizer is self:
-                state.on_zero_grad(kwargs.get("set_to_none", args[0] if args else True))
+                state.on_zero_grad()
                 if session.engine is not None:  # a step() that raised left O1 casting paused in this thread
                     session.engine.resume_after_step()
             return result

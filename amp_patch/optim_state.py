@@ -45,7 +45,7 @@ class OptimizerState:
         self.masters_stale = False
         self.engine = None  # the session's casting engine (O1): paused during step()
         self.in_scale_loss = False  # an open scale_loss block names this optimizer (nesting is refused)
-        self.foreign = None  # (loss_id, [(param, grad, version)]): grads another loss's scale_loss left scaled
+        self.foreign = None  # (loss_id, {id(param): (weakref, version)}): grads another loss's block left scaled
         self.own_exit = None  # grad_snapshot() when the last scale_loss naming this optimizer inside another exited
         self._known_groups = 0
         self._sync_groups(fp32_data or {})
@@ -170,14 +170,13 @@ class OptimizerState:
                          f"multiplied by the loss scale. Pass this optimizer to that scale_loss call "
                          f"(scale_loss(loss, [opt1, opt2])), or clear its grads (optimizer.zero_grad()) first.")
 
-    def on_zero_grad(self, set_to_none):
-        """``optimizer.zero_grad()`` ran: clear the half model grads too and forget any pending scale."""
+    def on_zero_grad(self):
+        """``optimizer.zero_grad()`` ran: clear the half model grads too and forget any pending scale.
+
+        The half grads become None even for ``set_to_none=False``: they are amp_patch's intermediate (each
+        scale_loss exit moves them into the masters' grads, which the optimizer itself zeroes)."""
         for model_p, _ in self.pairs:
-            if model_p.grad is not None:
-                if set_to_none:
-                    model_p.grad = None
-                else:
-                    model_p.grad.detach_().zero_()
+            model_p.grad = None
         self.pending_scaler, self.pending_inf, self.skip_next, self.foreign = None, False, False, None
         self.own_exit = None
 

@@ -185,3 +185,17 @@ def test_module_zero_grad_after_an_overflow_does_not_skip_the_next_step(level):
         scaled.backward()
     opt.step()
     assert not amp_patch.last_step_skipped(opt)
+
+
+def test_o2_zero_grad_without_set_to_none_then_step_is_not_a_plain_backward():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O2", verbosity=0)
+    (x, y), _ = _batches()[0]
+    with pytest.raises(Fault):
+        with amp_patch.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+            raise Fault("after backward")
+    opt.zero_grad(set_to_none=False)
+    opt.step()  # no grads left anywhere: a no-op step, not "backward outside scale_loss"
+    assert all(p.grad is None for p in model.parameters())

@@ -3,7 +3,7 @@ import logging
 
 import torch
 
-from . import _state, distributed, early_bound
+from . import _state, distributed, early_bound, module_compat
 from .engine import CastingEngine
 from .errors import ConfigError, UsageError
 from .models import ModelPatch
@@ -123,9 +123,8 @@ def _attach_optimizers(session, optimizers, fp32_data):
 
 def _link_masters(session):
     masters = session.masters()
-    if masters:
-        for patch in session.model_patches:
-            patch.link_masters(masters)
+    for patch in session.model_patches:
+        patch.link_state_dict(masters)
 
 
 def _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor, backoff_factor,
@@ -153,6 +152,7 @@ def _install_casting(session, op_lists, allow_banned):
                                    registrations=REGISTRY.take())
     session.undo.append(session.engine.uninstall)
     session.engine.install()
+    session.undo.append(module_compat.relax_rnn_input_check(session.engine))
     for state in session.opt_states.values():
         state.engine = session.engine
 
@@ -173,7 +173,7 @@ def _guard_step_pause(session, models):
         return
     resume = session.engine.resume_after_step
     for model in models:
-        session.undo.append(model.register_forward_pre_hook(lambda module, args: resume()).remove)
+        session.undo.append(module_compat.forward_pre_hook(model, lambda module, args: resume()).remove)
 
 
 def _set_up_diagnostics(session, models, diagnose_overflow, history_size):

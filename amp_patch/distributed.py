@@ -12,12 +12,15 @@ Rules the helpers rely on (see docs/distributed.md):
   construction broadcast reaches the half model params only, so ranks must start
   from identical weights or call :func:`broadcast_master_params` after wrapping.
 """
+import contextlib
+import functools
 import logging
 
 import torch
 
 from . import _state
 from .errors import UsageError
+from .patcher import Patcher
 
 log = logging.getLogger("amp_patch")
 
@@ -132,3 +135,35 @@ def check_unscale_inside_no_sync(model, delay_unscale):
                      "gradients would be unscaled and moved out of param.grad before DDP reduces it, so every rank "
                      "would step with different gradients. Pass delay_unscale=True for the micro-batches inside "
                      "no_sync() and unscale (delay_unscale=False) on the synced last one.")
+
+
+def track_no_sync(session):
+    """Patch ``DistributedDataParallel.no_sync`` to count, in ``session.no_sync_depth``, the open ``no_sync()``
+    regions; returns the undo callable.
+
+    Under master weights a non-delayed ``scale_loss`` exit would move the local grads out of ``param.grad``
+    before DDP's next synced backward reduces them. While a region is open, ``scale_loss`` leaves them scaled in
+    ``param.grad`` instead (as ``delay_unscale=True`` does), so legacy loops that never pass ``delay_unscale``
+    or ``model=`` accumulate correctly. Counting every DDP module is safe: a deferred unscale is finished by
+    the next non-delayed exit or by ``step()``.
+    """
+    if not torch.distributed.is_available():
+        return lambda: None
+    patcher = Patcher()
+    patcher.install(torch.nn.parallel.DistributedDataParallel, "no_sync",
+                    lambda original: _counting_no_sync(original, session))
+    return patcher.restore_all
+
+
+def _counting_no_sync(original, session):
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def no_sync(self):
+        with original(self):
+            session.no_sync_depth += 1
+            try:
+                yield
+            finally:
+                session.no_sync_depth -= 1
+
+    return no_sync

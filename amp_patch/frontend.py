@@ -125,6 +125,8 @@ def _link_masters(session):
     masters = session.masters()
     for patch in session.model_patches:
         patch.link_state_dict(masters)
+    if masters:
+        session.undo.append(distributed.track_no_sync(session))
 
 
 def _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor, backoff_factor,

@@ -29,8 +29,9 @@ def _optimizer_list(optimizers):
 def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, delay_overflow_check=False):
     """Yield ``loss.float() * scale``; on exit unscale grads, check for inf/NaN and update the loss's scaler.
 
-    ``model`` (optional): the DDP-wrapped model; under master weights a non-delayed exit inside its
-    ``no_sync()`` is refused (those grads would leave ``param.grad`` before DDP reduces them).
+    Under master weights an exit inside ``DistributedDataParallel.no_sync()`` is always delayed (the grads
+    stay in ``param.grad`` for DDP's next reduction). ``model`` (optional): the DDP-wrapped model; a
+    non-delayed exit inside its ``no_sync()`` that amp_patch did not see open is refused.
     ``delay_overflow_check`` is accepted for Apex compatibility and ignored.
     """
     session = current_session("scale_loss")
@@ -41,6 +42,8 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
     states = [session.state_for(opt) for opt in _optimizer_list(optimizers)]
     if session.engine is not None:
         session.engine.resume_after_step()
+    if session.no_sync_depth and any(state.pairs for state in states):
+        delay_unscale = True  # inside DDP no_sync(): master grads must wait for the synced backward's reduction
     if model is not None and any(state.pairs for state in states):
         distributed.check_unscale_inside_no_sync(model, delay_unscale)
     if not session.masters_checked:

@@ -25,6 +25,7 @@ class Session:
         self.history = None  # diagnostics.StepHistory
         self.diagnoser = None  # diagnostics.OverflowDiagnoser (diagnose_overflow=True)
         self.last_overflow = None
+        self.no_sync_depth = 0  # open DistributedDataParallel.no_sync() regions (O2: unscale deferred inside)
         self.masters_checked = False  # the one-time DDP master-weight check of scale_loss
         self.unreachable = []  # import-time bindings amp_patch cannot reach (reported)
 

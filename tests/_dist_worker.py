@@ -158,7 +158,7 @@ CONSISTENCY_PLAN = [
     ("clean no_sync accumulation k=3", [(True, True, None), (True, True, None), (False, False, None)]),
     ("inf input, every micro-batch delayed (step finishes the unscale)", [(False, True, None), (False, True, "input")]),
     ("clean", [(False, False, None)]),
-    ("inf input, unscaled inside no_sync (only agree_overflow tells rank 0)",
+    ("inf input, unscaled inside no_sync (O2: deferred while no_sync is open)",
      [(True, False, "input"), (False, False, None)]),
     ("clean no_sync accumulation k=2", [(True, True, None), (False, False, None)]),
     ("clean", [(False, False, None)]),
@@ -330,6 +330,37 @@ def misc(rank, world):
             "master_warning": master_warning(rank, world)}
 
 
+def _accumulate(rank, level, use_no_sync, steps=4, k=3, inject_step=1):
+    """k micro-batches per step, the first k-1 inside no_sync() (or all synced), scale_loss called as legacy
+    loops do (no delay_unscale, no model=); an inf on rank 1 inside the first no_sync micro-batch of one step."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=HALF, verbosity=0)
+    try:
+        ddp = DDP(model)
+        g = torch.Generator().manual_seed(300 + rank)
+        skipped = []
+        for step in range(steps):
+            for micro in range(k):
+                x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+                if step == inject_step and micro == 0 and rank == 1:
+                    x[0, 0] = float("inf")
+                with ddp.no_sync() if use_no_sync and micro < k - 1 else _Null():
+                    with amp_patch.scale_loss(loss_of(ddp, x, y) / k, opt) as scaled:
+                        scaled.backward()
+            opt.step()
+            opt.zero_grad()
+            skipped.append(amp_patch.last_step_skipped(opt))
+        return {"skipped": skipped, **snapshot(model, opt)}
+    finally:
+        amp_patch.deinitialize()
+
+
+def no_sync_accumulation(rank, world):
+    return {level: {"no_sync": _accumulate(rank, level, True), "synced": _accumulate(rank, level, False)}
+            for level in ("O1", "O2")}
+
+
 def fail_on_rank_1(rank, world):
     """Rank 1 raises while rank 0 waits in a collective: the launcher must kill rank 0 and report rank 1."""
     if rank == 1:
@@ -341,4 +372,4 @@ def hang(rank, world):
     time.sleep(600)
 
 
-JOBS = {"consistency": consistency, "misc": misc, "fail_on_rank_1": fail_on_rank_1, "hang": hang}
+JOBS = {"consistency": consistency, "misc": misc, "no_sync_accumulation": no_sync_accumulation, "fail_on_rank_1": fail_on_rank_1, "hang": hang}

@@ -74,18 +74,16 @@ def test_ranks_end_bitwise_identical(consistency, level):
     assert rank0["amp"]["loss_scaler0"]["skipped_steps"] == sum(SKIPPED)
 
 
-def test_agree_overflow_decides_where_ddp_does_not_propagate(consistency):
-    """Control runs with the flag *not* agreed. Under O1 the grads of a micro-batch unscaled inside no_sync stay
-    in param.grad, so the synced backward's all-reduce carries rank 1's inf to rank 0 and the ranks agree anyway.
-    Under O2 that micro-batch's grads move into the fp32 master grads, which DDP never reduces: the overflow stays
-    local to rank 1 and only agree_overflow makes rank 0 skip the same step."""
-    local = next(i for i, (name, _) in enumerate(w.CONSISTENCY_PLAN) if "only agree_overflow" in name)
-    o1_rank0, o1_rank1 = (r["control"]["O1"]["history"] for r in consistency)
-    assert o1_rank0 == o1_rank1 and o1_rank0[local][0] is True
-    o2_rank0, o2_rank1 = (r["control"]["O2"]["history"] for r in consistency)
-    assert o2_rank0[:local] == o2_rank1[:local]
-    assert o2_rank0[local][0] is False and o2_rank1[local][0] is True
-    assert o2_rank0[local][1] != o2_rank1[local][1]
+def test_unscale_inside_no_sync_keeps_grads_for_ddp_at_every_level(consistency):
+    """Control runs with the flag *not* agreed. A micro-batch "unscaled" inside no_sync keeps its grads in
+    param.grad (O1: unscaled in place; O2: the exit is deferred while no_sync is open, so they never reach the
+    fp32 master grads unreduced), hence the synced backward's all-reduce carries rank 1's inf to rank 0 and both
+    ranks skip even without agree_overflow. (Before no_sync was tracked, O2 moved them into the masters, the
+    overflow stayed local to rank 1 and the replicas parted ways there.)"""
+    local = next(i for i, (name, _) in enumerate(w.CONSISTENCY_PLAN) if "unscaled inside no_sync" in name)
+    for level in ("O1", "O2"):
+        rank0, rank1 = (r["control"][level]["history"] for r in consistency)
+        assert rank0 == rank1 and rank0[local][0] is True, level
 
 
 # -- DDP at every opt level, accumulation == DDP, logging, master sync --------------------------------
@@ -206,6 +204,25 @@ def test_unscaling_inside_no_sync_is_refused_when_the_model_is_known(misc):
 
 
 # -- the launcher's failure paths -----------------------------------------------------------------------
+# -- O2 accumulation inside no_sync() as legacy loops write it (no delay_unscale, no model=) --------------------
+@pytest.fixture(scope="module")
+def no_sync_runs(tmp_path_factory):
+    return w.run_ranks("no_sync_accumulation", tmp_path_factory.mktemp("no_sync"), timeout=50)
+
+
+@pytest.mark.parametrize("level,tol", [("O1", 1e-4), ("O2", 2e-3)])
+def test_no_sync_accumulation_without_delay_unscale(no_sync_runs, level, tol):
+    """Ranks end bitwise identical, the step with rank 1's inf (inside no_sync) is skipped on both, and the
+    result equals accumulation with every micro-batch synced (O2: DDP sums half grads once instead of per
+    micro-batch, one more fp16 rounding)."""
+    rank0, rank1 = (r[level] for r in no_sync_runs)
+    for key in ("params", "masters", "opt", "amp"):
+        assert_same(rank0["no_sync"][key], rank1["no_sync"][key], key)
+    assert rank0["no_sync"]["skipped"] == rank0["synced"]["skipped"] == [False, True, False, False]
+    for a, b in zip(rank0["no_sync"]["masters"], rank0["synced"]["masters"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=tol)
+
+
 def test_a_failing_rank_fails_fast_with_its_traceback(tmp_path):
     """Rank 0 is left blocked in a barrier (gloo timeout 30 s); the launcher kills it at once."""
     with pytest.raises(AssertionError, match="rank 1 fails on purpose") as info:

@@ -48,6 +48,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
         distributed.check_unscale_inside_no_sync(model, delay_unscale)
     if not session.masters_checked:
         session.masters_checked = True
+        distributed.check_not_sharded_since_initialize(session.unsharded_models)
         _warn_if_masters_diverged(states)
     for state in states:
         state.before_backward(scaler)

@@ -361,6 +361,87 @@ def no_sync_accumulation(rank, world):
             for level in ("O1", "O2")}
 
 
+def _fsdp_train(rank, level=None, half=torch.bfloat16, policy=None, steps=4, inject_step=None, **init):
+    """FSDP2 on each Linear and the root (sharding first), then initialize (unless level is None); losses and
+    the full (unsharded) parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    for module in (model[0], model[2], model):
+        fully_shard(module, **({"mp_policy": policy} if policy is not None else {}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if level is not None:
+        model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=half, verbosity=0, **init)
+    try:
+        g = torch.Generator().manual_seed(500 + rank)
+        losses, skipped = [], []
+        for step in range(steps):
+            x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+            if step == inject_step and rank == 1:
+                x[0, 0] = float("inf")
+            out = model(x)
+            loss = F.mse_loss(out.float(), y)
+            if level is None:
+                loss.backward()
+            else:
+                with amp_patch.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            skipped.append(level is not None and amp_patch.last_step_skipped(opt))
+        return {"losses": losses, "skipped": skipped, "out_dtype": out.dtype,
+                "params": [p.full_tensor().detach().clone() for p in model.parameters()]}
+    finally:
+        amp_patch.deinitialize()
+
+
+def _fsdp_refusals():
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O1", verbosity=0)
+    try:  # the wrong order: initialize, then shard
+        fully_shard(model)
+        with amp_patch.scale_loss(loss_of(model, torch.randn(2, 6), torch.randn(2, 3)), opt) as scaled:
+            scaled.backward()
+        out["sharded_after"] = None
+    except amp_patch.UsageError as exc:
+        out["sharded_after"] = str(exc)
+    finally:
+        amp_patch.deinitialize()
+    for level in ("O2", "O3"):
+        model = make_model()
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            amp_patch.initialize(model, opt, opt_level=level, verbosity=0)
+            out[level] = None
+        except amp_patch.UsageError as exc:
+            out[level] = str(exc)
+        finally:
+            amp_patch.deinitialize()
+    return out
+
+
+def fsdp2(rank, world):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    return {"fp32": _fsdp_train(rank), "O1 bf16": _fsdp_train(rank, "O1"),
+            "O1 fp16": _fsdp_train(rank, "O1", half=torch.float16),
+            "O1 fp16 inf": _fsdp_train(rank, "O1", half=torch.float16, inject_step=1),
+            "O0 policy fp16 inf": _fsdp_train(rank, "O0", policy=policy, inject_step=1, loss_scale="dynamic"),
+            "refusals": _fsdp_refusals()}
+
+
+def models_job(rank, world):
+    """One launch for the no_sync accumulation runs and the FSDP2 runs."""
+    return {"no_sync": no_sync_accumulation(rank, world), "fsdp2": fsdp2(rank, world)}
+
+
 def fail_on_rank_1(rank, world):
     """Rank 1 raises while rank 0 waits in a collective: the launcher must kill rank 0 and report rank 1."""
     if rank == 1:
@@ -372,4 +453,4 @@ def hang(rank, world):
     time.sleep(600)
 
 
-JOBS = {"consistency": consistency, "misc": misc, "no_sync_accumulation": no_sync_accumulation, "fail_on_rank_1": fail_on_rank_1, "hang": hang}
+JOBS = {"consistency": consistency, "misc": misc, "models": models_job, "fail_on_rank_1": fail_on_rank_1, "hang": hang}

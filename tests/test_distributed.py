@@ -206,8 +206,13 @@ def test_unscaling_inside_no_sync_is_refused_when_the_model_is_known(misc):
 # -- the launcher's failure paths -----------------------------------------------------------------------
 # -- O2 accumulation inside no_sync() as legacy loops write it (no delay_unscale, no model=) --------------------
 @pytest.fixture(scope="module")
-def no_sync_runs(tmp_path_factory):
-    return w.run_ranks("no_sync_accumulation", tmp_path_factory.mktemp("no_sync"), timeout=50)
+def models_runs(tmp_path_factory):
+    return w.run_ranks("models", tmp_path_factory.mktemp("models"), timeout=90)
+
+
+@pytest.fixture(scope="module")
+def no_sync_runs(models_runs):
+    return [r["no_sync"] for r in models_runs]
 
 
 @pytest.mark.parametrize("level,tol", [("O1", 1e-4), ("O2", 2e-3)])
@@ -221,6 +226,44 @@ def test_no_sync_accumulation_without_delay_unscale(no_sync_runs, level, tol):
     assert rank0["no_sync"]["skipped"] == rank0["synced"]["skipped"] == [False, True, False, False]
     for a, b in zip(rank0["no_sync"]["masters"], rank0["synced"]["masters"]):
         torch.testing.assert_close(a, b, rtol=0, atol=tol)
+
+
+# -- FSDP2 (fully_shard), 2 gloo ranks on CPU ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fsdp(models_runs):
+    return [r["fsdp2"] for r in models_runs]
+
+
+@pytest.mark.parametrize("variant,tol", [("O1 bf16", 3e-2), ("O1 fp16", 5e-3)])
+def test_fsdp2_o1_after_sharding_follows_fp32(fsdp, variant, tol):
+    """O1 with initialize after fully_shard: half activations, losses and full params near the fp32 run."""
+    half = torch.bfloat16 if "bf16" in variant else torch.float16
+    for rank in fsdp:
+        run, ref = rank[variant], rank["fp32"]
+        assert run["out_dtype"] is half and not any(run["skipped"])
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), rtol=tol, atol=tol)
+        for a, b in zip(run["params"], ref["params"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=tol)
+    assert_same(fsdp[0][variant]["params"], fsdp[1][variant]["params"])
+
+
+@pytest.mark.parametrize("variant", ["O1 fp16 inf", "O0 policy fp16 inf"])
+def test_fsdp2_one_rank_inf_skips_on_both(fsdp, variant):
+    """Each rank checks only its own shard of the grads; agree_overflow makes both skip the step. O0 + FSDP2's
+    MixedPrecisionPolicy(param_dtype=fp16) + loss_scale="dynamic" is the sharded replacement for O2."""
+    for rank in fsdp:
+        assert rank[variant]["skipped"] == [False, True, False, False]
+    assert_same(fsdp[0][variant]["params"], fsdp[1][variant]["params"])
+    for a, b in zip(fsdp[0]["O0 policy fp16 inf"]["params"], fsdp[0]["fp32"]["params"]):
+        assert torch.isfinite(a).all() and a.dtype is b.dtype is torch.float32
+
+
+def test_fsdp2_wrong_order_and_model_casting_are_refused_with_the_fix(fsdp):
+    refusals = fsdp[0]["refusals"]
+    assert "fully_shard() was applied to the model after amp_patch.initialize()" in refusals["sharded_after"]
+    assert "Shard first" in refusals["sharded_after"]
+    for level in ("O2", "O3"):
+        assert "MixedPrecisionPolicy" in refusals[level] and "opt_level='O0'" in refusals[level], level
 
 
 def test_a_failing_rank_fails_fast_with_its_traceback(tmp_path):

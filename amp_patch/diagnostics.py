@@ -74,8 +74,11 @@ class OverflowDiagnoser:
             bad = int((~finite).sum())
             if bad:
                 values = grad[finite].abs()
-                rows.append({"param": param_names[0], "nonfinite": bad, "tied": param_names[1:],
-                             "max_finite": float(values.max()) if values.numel() else None})
+                row = {"param": param_names[0], "nonfinite": bad,
+                       "max_finite": float(values.max()) if values.numel() else None}
+                if len(param_names) > 1:
+                    row["tied"] = param_names[1:]
+                rows.append(row)
         return rows
 
     def record(self, loss_id, scale, masters):

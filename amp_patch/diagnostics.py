@@ -14,6 +14,7 @@ import logging
 import torch
 
 from .casting import iter_tensors
+from .module_compat import forward_hooks
 
 log = logging.getLogger("amp_patch")
 
@@ -32,10 +33,8 @@ class OverflowDiagnoser:
         self.flags = collections.deque(maxlen=max_flags)
         self.tracer = tracer  # its last_entry names the patched op that ran last (None without O1)
         self.models = models
-        self.handles = []
-        for model in models:
-            for name, module in model.named_modules():
-                self.handles.append(module.register_forward_hook(self._hook(name or type(model).__name__)))
+        self.handles = forward_hooks([(module, self._hook(name or type(model).__name__))
+                                      for model in models for name, module in model.named_modules()])
 
     def _hook(self, name):
         def hook(module, args, out):
@@ -60,20 +59,26 @@ class OverflowDiagnoser:
         return None
 
     def bad_grads(self, masters):
-        master_of = {pid: m for pid, m in masters.items()}
-        rows = []
+        """Params with non-finite grads, each once (a tied/shared param lists its other names under "tied")."""
+        names = {}
         for model in self.models:
-            for name, param in model.named_parameters():
-                grad = (master_of[id(param)].grad if id(param) in master_of else None)
-                grad = grad if grad is not None else param.grad
-                if grad is None:
-                    continue
-                finite = torch.isfinite(grad)
-                bad = int((~finite).sum())
-                if bad:
-                    values = grad[finite].abs()
-                    rows.append({"param": name, "nonfinite": bad,
-                                 "max_finite": float(values.max()) if values.numel() else None})
+            for name, param in model.named_parameters(remove_duplicate=False):
+                names.setdefault(id(param), (param, []))[1].append(name)
+        rows = []
+        for pid, (param, param_names) in names.items():
+            grad = masters[pid].grad if pid in masters else None
+            grad = grad if grad is not None else param.grad
+            if grad is None:
+                continue
+            finite = torch.isfinite(grad)
+            bad = int((~finite).sum())
+            if bad:
+                values = grad[finite].abs()
+                row = {"param": param_names[0], "nonfinite": bad,
+                       "max_finite": float(values.max()) if values.numel() else None}
+                if len(param_names) > 1:
+                    row["tied"] = param_names[1:]
+                rows.append(row)
         return rows
 
     def record(self, loss_id, scale, masters):

@@ -12,12 +12,15 @@ Rules the helpers rely on (see docs/distributed.md):
   construction broadcast reaches the half model params only, so ranks must start
   from identical weights or call :func:`broadcast_master_params` after wrapping.
 """
+import contextlib
+import functools
 import logging
 
 import torch
 
 from . import _state
 from .errors import UsageError
+from .patcher import Patcher
 
 log = logging.getLogger("amp_patch")
 
@@ -132,3 +135,70 @@ def check_unscale_inside_no_sync(model, delay_unscale):
                      "gradients would be unscaled and moved out of param.grad before DDP reduces it, so every rank "
                      "would step with different gradients. Pass delay_unscale=True for the micro-batches inside "
                      "no_sync() and unscale (delay_unscale=False) on the synced last one.")
+
+
+def track_no_sync(session):
+    """Patch ``DistributedDataParallel.no_sync`` to count, in ``session.no_sync_depth``, the open ``no_sync()``
+    regions; returns the undo callable.
+
+    Under master weights a non-delayed ``scale_loss`` exit would move the local grads out of ``param.grad``
+    before DDP's next synced backward reduces them. While a region is open, ``scale_loss`` leaves them scaled in
+    ``param.grad`` instead (as ``delay_unscale=True`` does), so legacy loops that never pass ``delay_unscale``
+    or ``model=`` accumulate correctly. Counting every DDP module is safe: a deferred unscale is finished by
+    the next non-delayed exit or by ``step()``.
+    """
+    if not torch.distributed.is_available():
+        return lambda: None
+    patcher = Patcher()
+    patcher.install(torch.nn.parallel.DistributedDataParallel, "no_sync",
+                    lambda original: _counting_no_sync(original, session))
+    return patcher.restore_all
+
+
+def _counting_no_sync(original, session):
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def no_sync(self):
+        with original(self):
+            session.no_sync_depth += 1
+            try:
+                yield
+            finally:
+                session.no_sync_depth -= 1
+
+    return no_sync
+
+
+# -- FSDP2 (torch.distributed.fsdp.fully_shard) ---------------------------------------------------------------
+def _is_sharded(model):
+    fsdp = getattr(torch.distributed, "fsdp", None) if torch.distributed.is_available() else None
+    cls = getattr(fsdp, "FSDPModule", None)
+    return cls is not None and any(isinstance(m, cls) for m in model.modules())
+
+
+def check_fsdp_at_initialize(models, props):
+    """Refuse model casting (O2/O3) on FSDP2-sharded models; returns the models to watch for a later shard.
+
+    FSDP2 shards the parameters the module holds; O2's fp32 masters live in the optimizer, unsharded, and O2/O3
+    cast the sharded parameters themselves. FSDP2's ``MixedPrecisionPolicy`` is the sharded equivalent.
+    """
+    sharded = [m for m in models if _is_sharded(m)]
+    if sharded and props.cast_model_type is not None and props.cast_model_type is not torch.float32:
+        raise UsageError(
+            f"opt_level={props.opt_level!r} casts the model's parameters to {props.cast_model_type} (O2: with fp32 "
+            "master weights in the optimizer), which FSDP2 (fully_shard) cannot shard. For half compute on sharded "
+            "fp32 weights use FSDP2's own policy: fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype="
+            "torch.float16 or torch.bfloat16, reduce_dtype=torch.float32)) for each block and the root, then "
+            "amp_patch.initialize(model, optimizer, opt_level='O0', loss_scale='dynamic') for fp16 loss scaling; or "
+            "opt_level='O1' (no policy) for amp_patch's op lists. See docs/distributed.md, FSDP.")
+    return [m for m in models if m not in sharded]
+
+
+def check_not_sharded_since_initialize(models):
+    """UsageError when ``fully_shard`` ran on a model after ``initialize`` (checked at the first scale_loss)."""
+    if any(_is_sharded(m) for m in models):
+        raise UsageError("fully_shard() was applied to the model after amp_patch.initialize(): the optimizer (and "
+                         "under O2 the fp32 masters) still hold the unsharded parameters, so nothing would train. "
+                         "Shard first, then build the optimizer and initialize: fully_shard(...); optimizer = "
+                         "torch.optim.AdamW(model.parameters()); model, optimizer = amp_patch.initialize(model, "
+                         "optimizer, opt_level='O1')")

@@ -4,7 +4,7 @@ import logging
 
 import torch
 
-from . import _state, distributed, early_bound
+from . import _state, distributed, early_bound, module_compat
 from .engine import CastingEngine
 from .errors import ConfigError, UsageError
 from .models import ModelPatch
@@ -49,6 +49,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
                     loss_scale=loss_scale, cast_model_outputs=cast_model_outputs)
     session = Session(props)
+    session.unsharded_models = distributed.check_fsdp_at_initialize(model_list, props)
     session.undo.append(distributed.install_rank_filter(log_all_ranks))
     try:
         _check_optimizers_train_models(props, model_list, opt_list)
@@ -178,9 +179,10 @@ def _attach_optimizers(session, optimizers, fp32_data):
 
 def _link_masters(session):
     masters = session.masters()
+    for patch in session.model_patches:
+        patch.link_state_dict(masters)
     if masters:
-        for patch in session.model_patches:
-            patch.link_masters(masters)
+        session.undo.append(distributed.track_no_sync(session))
 
 
 def _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor, backoff_factor,
@@ -208,6 +210,7 @@ def _install_casting(session, op_lists, allow_banned):
                                    registrations=REGISTRY.take())
     session.undo.append(session.engine.uninstall)
     session.engine.install()
+    session.undo.append(module_compat.relax_rnn_input_check(session.engine))
     for state in session.opt_states.values():
         state.engine = session.engine
 
@@ -229,7 +232,7 @@ def _guard_step_pause(session, models):
         return
     resume = session.engine.resume_after_step
     for model in models:
-        session.undo.append(model.register_forward_pre_hook(lambda module, args: resume()).remove)
+        session.undo.append(module_compat.forward_pre_hook(model, lambda module, args: resume()).remove)
     patcher = Patcher()
     session.undo.append(patcher.restore_all)
 

@@ -2,12 +2,14 @@
 
 Everything is done with removable hooks and recorded so ``deinitialize`` can
 undo it: forward pre-/post-hooks (no replaced ``forward`` attribute), and for
-master weights a state_dict post-hook (the model's state_dict holds the fp32
-master values) and a load_state_dict pre-hook (loading also updates the masters).
+cast models a state_dict post-hook (the model's state_dict holds the fp32
+master values, or fp32 copies without masters, under every name of tied params)
+and a load_state_dict pre-hook (loading also updates the masters).
 """
 import torch
 
 from .casting import FLOAT_DTYPES, HALF_DTYPES, cast_tree
+from .module_compat import forward_hook, forward_pre_hook
 
 _BATCHNORM = (torch.nn.modules.batchnorm._BatchNorm,)
 
@@ -57,9 +59,9 @@ class ModelPatch:
     def cast_io(self, input_dtype, output_dtype, keep_types):
         """Cast floating inputs of the model to ``input_dtype`` and its outputs to ``output_dtype``."""
         to_in, to_out = _caster(input_dtype), _caster(output_dtype)
-        self.handles.append(self.model.register_forward_pre_hook(
-            lambda m, args, kwargs: (cast_tree(args, to_in), cast_tree(kwargs, to_in)), with_kwargs=True))
-        self.handles.append(self.model.register_forward_hook(lambda m, args, out: cast_tree(out, to_out)))
+        self.handles.append(forward_pre_hook(
+            self.model, lambda m, args, kwargs: (cast_tree(args, to_in), cast_tree(kwargs, to_in)), with_kwargs=True))
+        self.handles.append(forward_hook(self.model, lambda m, args, out: cast_tree(out, to_out)))
         if input_dtype in HALF_DTYPES:
             self._keep_modules_fp32(keep_types, input_dtype)
 
@@ -76,21 +78,32 @@ class ModelPatch:
                     with_kwargs=True))
                 self.handles.append(module.register_forward_hook(lambda m, args, out: cast_tree(out, to_half)))
 
-    def link_masters(self, masters):
-        """state_dict() reports the fp32 masters; load_state_dict() also writes them."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        by_name = {names[pid]: master for pid, master in masters.items() if pid in names}
+    def link_state_dict(self, masters):
+        """state_dict() holds what amp_patch cast in its original dtype under every name (tied params included):
+        the fp32 masters where there are (O2), else an upcast copy (O3, as Apex's state_dict hook did).
+        load_state_dict() also writes the masters (in place, so tied params stay tied)."""
+        if not self.original_dtypes and not self.buffers:
+            return
+        params, buffers = _names_by_id(self.model)
+        restored = []  # (name, tensor now in the model, original dtype, master or None)
+        for pid, (param, dtype) in self.original_dtypes.items():
+            restored += [(name, param, dtype, masters.get(pid)) for name in params.get(pid, ())]
+        for module, name, _, dtype in self.buffers:
+            restored += [(path + name, None, dtype, None) for path in buffers.get(id(module), ())]
 
         def state_dict_hook(module, state_dict, prefix, local_metadata):
-            for name, master in by_name.items():
-                if prefix + name in state_dict:
+            for name, _, dtype, master in restored:
+                value = state_dict.get(prefix + name)
+                if master is not None:
                     state_dict[prefix + name] = master.detach()
+                elif isinstance(value, torch.Tensor) and value.dtype is not dtype:
+                    state_dict[prefix + name] = value.detach().to(dtype)
 
         def load_pre_hook(module, state_dict, prefix, *unused):
             with torch.no_grad():
-                for name, master in by_name.items():
+                for name, _, _, master in restored:
                     value = state_dict.get(prefix + name)
-                    if isinstance(value, torch.Tensor) and value.shape == master.shape:
+                    if master is not None and isinstance(value, torch.Tensor) and value.shape == master.shape:
                         master.copy_(value)
 
         self.handles.append(self.model.register_state_dict_post_hook(state_dict_hook))
@@ -114,3 +127,13 @@ class ModelPatch:
                 module._buffers[name] = current.to(dtype)
         self.original_dtypes.clear()
         self.buffers.clear()
+
+
+def _names_by_id(model):
+    """``{id(param): [every name]}`` and ``{id(module): [every "path." prefix]}``, duplicates (ties) kept."""
+    params, modules = {}, {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        params.setdefault(id(param), []).append(name)
+    for path, module in model.named_modules(remove_duplicate=False):
+        modules.setdefault(id(module), []).append(path + "." if path else "")
+    return params, modules

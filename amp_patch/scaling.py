@@ -57,8 +57,9 @@ def _check_not_nested(states):
 def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, delay_overflow_check=False):
     """Yield ``loss.float() * scale``; on exit unscale grads, check for inf/NaN and update the loss's scaler.
 
-    ``model`` (optional): the DDP-wrapped model; under master weights a non-delayed exit inside its
-    ``no_sync()`` is refused (those grads would leave ``param.grad`` before DDP reduces them).
+    Under master weights an exit inside ``DistributedDataParallel.no_sync()`` is always delayed (the grads
+    stay in ``param.grad`` for DDP's next reduction). ``model`` (optional): the DDP-wrapped model; a
+    non-delayed exit inside its ``no_sync()`` that amp_patch did not see open is refused.
     ``delay_overflow_check`` is accepted for Apex compatibility and ignored. An exception inside the block
     leaves the grads scaled and pending; ``optimizer.zero_grad()`` then forgets them (docs/usage.md).
     """
@@ -66,7 +67,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
     if not session.enabled:
         yield loss
         return
-    scaler, states = _begin(session, loss, optimizers, loss_id, model, delay_unscale)
+    scaler, states, delay_unscale = _begin(session, loss, optimizers, loss_id, model, delay_unscale)
     others = _foreign_snapshots(session, states)
     scaled = loss.float() * scaler.scale
     probe = _BackwardProbe(loss, scaled)
@@ -82,21 +83,26 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
 
 
 def _begin(session, loss, optimizers, loss_id, model, delay_unscale):
-    """Check the arguments, end a step pause, bring grads already accumulated to the scale; (scaler, states)."""
+    """Check the arguments, end a step pause, bring grads already accumulated to the scale.
+
+    Returns ``(scaler, states, delay_unscale)``: inside DDP ``no_sync()`` under master weights the exit is delayed."""
     _check_loss(loss)
     scaler = session.scaler(loss_id)
     states = [session.state_for(opt) for opt in _optimizer_list(optimizers)]
     _check_not_nested(states)
     if session.engine is not None:
         session.engine.resume_after_step()
+    if session.no_sync_depth and any(state.pairs for state in states):
+        delay_unscale = True  # inside DDP no_sync(): master grads must wait for the synced backward's reduction
     if model is not None and any(state.pairs for state in states):
         distributed.check_unscale_inside_no_sync(model, delay_unscale)
     if not session.masters_checked:
         session.masters_checked = True
+        distributed.check_not_sharded_since_initialize(session.unsharded_models)
         _warn_if_masters_diverged(states)
     for state in states:
         state.before_backward(scaler)
-    return scaler, states
+    return scaler, states, delay_unscale
 
 
 def _mark_open(states, is_open):

@@ -25,6 +25,8 @@ class Session:
         self.history = None  # diagnostics.StepHistory
         self.diagnoser = None  # diagnostics.OverflowDiagnoser (diagnose_overflow=True)
         self.last_overflow = None
+        self.no_sync_depth = 0  # open DistributedDataParallel.no_sync() regions (O2: unscale deferred inside)
+        self.unsharded_models = []  # not FSDP2-sharded at initialize: a later fully_shard is refused
         self.masters_checked = False  # the one-time DDP master-weight check of scale_loss
         self.unreachable = []  # import-time bindings amp_patch cannot reach (reported)
 

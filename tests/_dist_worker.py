@@ -158,7 +158,7 @@ CONSISTENCY_PLAN = [
     ("clean no_sync accumulation k=3", [(True, True, None), (True, True, None), (False, False, None)]),
     ("inf input, every micro-batch delayed (step finishes the unscale)", [(False, True, None), (False, True, "input")]),
     ("clean", [(False, False, None)]),
-    ("inf input, unscaled inside no_sync (only agree_overflow tells rank 0)",
+    ("inf input, unscaled inside no_sync (O2: deferred while no_sync is open)",
      [(True, False, "input"), (False, False, None)]),
     ("clean no_sync accumulation k=2", [(True, True, None), (False, False, None)]),
     ("clean", [(False, False, None)]),
@@ -330,6 +330,118 @@ def misc(rank, world):
             "master_warning": master_warning(rank, world)}
 
 
+def _accumulate(rank, level, use_no_sync, steps=4, k=3, inject_step=1):
+    """k micro-batches per step, the first k-1 inside no_sync() (or all synced), scale_loss called as legacy
+    loops do (no delay_unscale, no model=); an inf on rank 1 inside the first no_sync micro-batch of one step."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=HALF, verbosity=0)
+    try:
+        ddp = DDP(model)
+        g = torch.Generator().manual_seed(300 + rank)
+        skipped = []
+        for step in range(steps):
+            for micro in range(k):
+                x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+                if step == inject_step and micro == 0 and rank == 1:
+                    x[0, 0] = float("inf")
+                with ddp.no_sync() if use_no_sync and micro < k - 1 else _Null():
+                    with amp_patch.scale_loss(loss_of(ddp, x, y) / k, opt) as scaled:
+                        scaled.backward()
+            opt.step()
+            opt.zero_grad()
+            skipped.append(amp_patch.last_step_skipped(opt))
+        return {"skipped": skipped, **snapshot(model, opt)}
+    finally:
+        amp_patch.deinitialize()
+
+
+def no_sync_accumulation(rank, world):
+    return {level: {"no_sync": _accumulate(rank, level, True), "synced": _accumulate(rank, level, False)}
+            for level in ("O1", "O2")}
+
+
+def _fsdp_train(rank, level=None, half=torch.bfloat16, policy=None, steps=4, inject_step=None, **init):
+    """FSDP2 on each Linear and the root (sharding first), then initialize (unless level is None); losses and
+    the full (unsharded) parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    for module in (model[0], model[2], model):
+        fully_shard(module, **({"mp_policy": policy} if policy is not None else {}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if level is not None:
+        model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=half, verbosity=0, **init)
+    try:
+        g = torch.Generator().manual_seed(500 + rank)
+        losses, skipped = [], []
+        for step in range(steps):
+            x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+            if step == inject_step and rank == 1:
+                x[0, 0] = float("inf")
+            out = model(x)
+            loss = F.mse_loss(out.float(), y)
+            if level is None:
+                loss.backward()
+            else:
+                with amp_patch.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            skipped.append(level is not None and amp_patch.last_step_skipped(opt))
+        return {"losses": losses, "skipped": skipped, "out_dtype": out.dtype,
+                "params": [p.full_tensor().detach().clone() for p in model.parameters()]}
+    finally:
+        amp_patch.deinitialize()
+
+
+def _fsdp_refusals():
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O1", verbosity=0)
+    try:  # the wrong order: initialize, then shard
+        fully_shard(model)
+        with amp_patch.scale_loss(loss_of(model, torch.randn(2, 6), torch.randn(2, 3)), opt) as scaled:
+            scaled.backward()
+        out["sharded_after"] = None
+    except amp_patch.UsageError as exc:
+        out["sharded_after"] = str(exc)
+    finally:
+        amp_patch.deinitialize()
+    for level in ("O2", "O3"):
+        model = make_model()
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            amp_patch.initialize(model, opt, opt_level=level, verbosity=0)
+            out[level] = None
+        except amp_patch.UsageError as exc:
+            out[level] = str(exc)
+        finally:
+            amp_patch.deinitialize()
+    return out
+
+
+def fsdp2(rank, world):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    return {"fp32": _fsdp_train(rank), "O1 bf16": _fsdp_train(rank, "O1"),
+            "O1 fp16": _fsdp_train(rank, "O1", half=torch.float16),
+            "O1 fp16 inf": _fsdp_train(rank, "O1", half=torch.float16, inject_step=1),
+            "O0 policy fp16 inf": _fsdp_train(rank, "O0", policy=policy, inject_step=1, loss_scale="dynamic"),
+            "refusals": _fsdp_refusals()}
+
+
+def models_job(rank, world):
+    """One launch for the no_sync accumulation runs and the FSDP2 runs."""
+    return {"no_sync": no_sync_accumulation(rank, world), "fsdp2": fsdp2(rank, world)}
+
+
 def fail_on_rank_1(rank, world):
     """Rank 1 raises while rank 0 waits in a collective: the launcher must kill rank 0 and report rank 1."""
     if rank == 1:
@@ -341,4 +453,4 @@ def hang(rank, world):
     time.sleep(600)
 
 
-JOBS = {"consistency": consistency, "misc": misc, "fail_on_rank_1": fail_on_rank_1, "hang": hang}
+JOBS = {"consistency": consistency, "misc": misc, "models": models_job, "fail_on_rank_1": fail_on_rank_1, "hang": hang}

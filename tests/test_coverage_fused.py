@@ -70,3 +70,45 @@ def test_scaled_dot_product_attention_is_half(half):
     q = torch.randn(1, 2, 4, 8)
     with amp_patch.autocast(half_dtype=half):
         assert F.scaled_dot_product_attention(q, q, q).dtype is half
+
+
+# -- the fast path survives amp_patch's own hooks ------------------------------------------------------------
+def _fused_calls(model, x, half=torch.float16):
+    with torch.no_grad(), OpDtypes() as ops:
+        out = model(x)
+    return [dtype for name, dtype in ops.seen if "_transformer_encoder_layer_fwd" in name], out
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_encoder_layer_as_the_model_keeps_its_fast_path(level):
+    """torch's TransformerEncoderLayer refuses its fused kernel when it (or a submodule) has forward hooks; the
+    hooks initialize attaches to the model it is given must not be on the layer itself."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        reference = layer(x)
+    layer = amp_patch.initialize(layer, opt_level=level, verbosity=0)
+    fused, out = _fused_calls(layer, x)
+    assert fused == [torch.float16]
+    assert out.dtype is (torch.float16 if level == "O1" else torch.float32)  # O2/O3 cast the output back
+    torch.testing.assert_close(out.float(), reference, rtol=0, atol=2e-2)
+    assert len(layer._forward_hooks) + len(layer._forward_pre_hooks) == 0
+
+
+@pytest.mark.parametrize("as_model", ["layer", "encoder"])
+def test_diagnose_overflow_keeps_the_fast_path_and_still_names_modules(as_model):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    model = layer if as_model == "layer" else torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O1", verbosity=0, diagnose_overflow=True)
+    fused, _ = _fused_calls(model.eval(), torch.randn(2, 5, 16))
+    assert fused == [torch.float16] * (1 if as_model == "layer" else 2)
+    x = torch.randn(2, 5, 16)
+    x[0, 0, 0] = float("inf")  # training mode: the decomposed path, whose modules the diagnoser must still see
+    with amp_patch.scale_loss(model.train()(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    origin = amp_patch.last_overflow()["first_bad_module"]
+    prefix = "" if as_model == "layer" else "layers.0."
+    assert origin["module"] == prefix + "self_attn", origin

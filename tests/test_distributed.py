@@ -74,18 +74,16 @@ def test_ranks_end_bitwise_identical(consistency, level):
     assert rank0["amp"]["loss_scaler0"]["skipped_steps"] == sum(SKIPPED)
 
 
-def test_agree_overflow_decides_where_ddp_does_not_propagate(consistency):
-    """Control runs with the flag *not* agreed. Under O1 the grads of a micro-batch unscaled inside no_sync stay
-    in param.grad, so the synced backward's all-reduce carries rank 1's inf to rank 0 and the ranks agree anyway.
-    Under O2 that micro-batch's grads move into the fp32 master grads, which DDP never reduces: the overflow stays
-    local to rank 1 and only agree_overflow makes rank 0 skip the same step."""
-    local = next(i for i, (name, _) in enumerate(w.CONSISTENCY_PLAN) if "only agree_overflow" in name)
-    o1_rank0, o1_rank1 = (r["control"]["O1"]["history"] for r in consistency)
-    assert o1_rank0 == o1_rank1 and o1_rank0[local][0] is True
-    o2_rank0, o2_rank1 = (r["control"]["O2"]["history"] for r in consistency)
-    assert o2_rank0[:local] == o2_rank1[:local]
-    assert o2_rank0[local][0] is False and o2_rank1[local][0] is True
-    assert o2_rank0[local][1] != o2_rank1[local][1]
+def test_unscale_inside_no_sync_keeps_grads_for_ddp_at_every_level(consistency):
+    """Control runs with the flag *not* agreed. A micro-batch "unscaled" inside no_sync keeps its grads in
+    param.grad (O1: unscaled in place; O2: the exit is deferred while no_sync is open, so they never reach the
+    fp32 master grads unreduced), hence the synced backward's all-reduce carries rank 1's inf to rank 0 and both
+    ranks skip even without agree_overflow. (Before no_sync was tracked, O2 moved them into the masters, the
+    overflow stayed local to rank 1 and the replicas parted ways there.)"""
+    local = next(i for i, (name, _) in enumerate(w.CONSISTENCY_PLAN) if "unscaled inside no_sync" in name)
+    for level in ("O1", "O2"):
+        rank0, rank1 = (r["control"][level]["history"] for r in consistency)
+        assert rank0 == rank1 and rank0[local][0] is True, level
 
 
 # -- DDP at every opt level, accumulation == DDP, logging, master sync --------------------------------
@@ -206,6 +204,68 @@ def test_unscaling_inside_no_sync_is_refused_when_the_model_is_known(misc):
 
 
 # -- the launcher's failure paths -----------------------------------------------------------------------
+# -- O2 accumulation inside no_sync() as legacy loops write it (no delay_unscale, no model=) --------------------
+@pytest.fixture(scope="module")
+def models_runs(tmp_path_factory):
+    return w.run_ranks("models", tmp_path_factory.mktemp("models"), timeout=90)
+
+
+@pytest.fixture(scope="module")
+def no_sync_runs(models_runs):
+    return [r["no_sync"] for r in models_runs]
+
+
+@pytest.mark.parametrize("level,tol", [("O1", 1e-4), ("O2", 2e-3)])
+def test_no_sync_accumulation_without_delay_unscale(no_sync_runs, level, tol):
+    """Ranks end bitwise identical, the step with rank 1's inf (inside no_sync) is skipped on both, and the
+    result equals accumulation with every micro-batch synced (O2: DDP sums half grads once instead of per
+    micro-batch, one more fp16 rounding)."""
+    rank0, rank1 = (r[level] for r in no_sync_runs)
+    for key in ("params", "masters", "opt", "amp"):
+        assert_same(rank0["no_sync"][key], rank1["no_sync"][key], key)
+    assert rank0["no_sync"]["skipped"] == rank0["synced"]["skipped"] == [False, True, False, False]
+    for a, b in zip(rank0["no_sync"]["masters"], rank0["synced"]["masters"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=tol)
+
+
+# -- FSDP2 (fully_shard), 2 gloo ranks on CPU ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fsdp(models_runs):
+    return [r["fsdp2"] for r in models_runs]
+
+
+@pytest.mark.parametrize("variant,tol", [("O1 bf16", 3e-2), ("O1 fp16", 5e-3)])
+def test_fsdp2_o1_after_sharding_follows_fp32(fsdp, variant, tol):
+    """O1 with initialize after fully_shard: half activations, losses and full params near the fp32 run."""
+    half = torch.bfloat16 if "bf16" in variant else torch.float16
+    for rank in fsdp:
+        run, ref = rank[variant], rank["fp32"]
+        assert run["out_dtype"] is half and not any(run["skipped"])
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), rtol=tol, atol=tol)
+        for a, b in zip(run["params"], ref["params"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=tol)
+    assert_same(fsdp[0][variant]["params"], fsdp[1][variant]["params"])
+
+
+@pytest.mark.parametrize("variant", ["O1 fp16 inf", "O0 policy fp16 inf"])
+def test_fsdp2_one_rank_inf_skips_on_both(fsdp, variant):
+    """Each rank checks only its own shard of the grads; agree_overflow makes both skip the step. O0 + FSDP2's
+    MixedPrecisionPolicy(param_dtype=fp16) + loss_scale="dynamic" is the sharded replacement for O2."""
+    for rank in fsdp:
+        assert rank[variant]["skipped"] == [False, True, False, False]
+    assert_same(fsdp[0][variant]["params"], fsdp[1][variant]["params"])
+    for a, b in zip(fsdp[0]["O0 policy fp16 inf"]["params"], fsdp[0]["fp32"]["params"]):
+        assert torch.isfinite(a).all() and a.dtype is b.dtype is torch.float32
+
+
+def test_fsdp2_wrong_order_and_model_casting_are_refused_with_the_fix(fsdp):
+    refusals = fsdp[0]["refusals"]
+    assert "fully_shard() was applied to the model after amp_patch.initialize()" in refusals["sharded_after"]
+    assert "Shard first" in refusals["sharded_after"]
+    for level in ("O2", "O3"):
+        assert "MixedPrecisionPolicy" in refusals[level] and "opt_level='O0'" in refusals[level], level
+
+
 def test_a_failing_rank_fails_fast_with_its_traceback(tmp_path):
     """Rank 0 is left blocked in a barrier (gloo timeout 30 s); the launcher kills it at once."""
     with pytest.raises(AssertionError, match="rank 1 fails on purpose") as info:

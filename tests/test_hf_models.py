@@ -1,0 +1,90 @@
+"""Beyond BERT: tiny randomly initialised Hugging Face GPT-2, T5 and ViT (built from a config, no download) train
+30 steps under O1 fp16, O2 fp16 and O1 bf16; the final loss stays within a stated tolerance of fp32's."""
+import pytest
+import torch
+
+import amp_patch
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 30
+#: |final loss - fp32 final loss| / fp32 final loss; bf16 has 8 mantissa bits against fp16's 11
+TOLERANCE = {"O1 fp16": 0.05, "O2 fp16": 0.05, "O1 bf16": 0.10}
+VARIANTS = {"O1 fp16": ("O1", torch.float16), "O2 fp16": ("O2", torch.float16), "O1 bf16": ("O1", torch.bfloat16)}
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg)
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied, as the released model
+
+    def batch(g):
+        ids = torch.randint(0, 64, (4, 12), generator=g)
+        return {"input_ids": ids, "labels": ids}
+    return model, batch
+
+
+def _t5():
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                decoder_start_token_id=0)
+    model = transformers.T5ForConditionalGeneration(cfg)
+
+    def batch(g):
+        return {"input_ids": torch.randint(0, 64, (4, 10), generator=g),
+                "labels": torch.randint(0, 64, (4, 6), generator=g)}
+    return model, batch
+
+
+def _vit():
+    cfg = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, intermediate_size=64, num_labels=5)
+    model = transformers.ViTForImageClassification(cfg)
+
+    def batch(g):
+        return {"pixel_values": torch.randn(4, 3, 16, 16, generator=g), "labels": torch.randint(0, 5, (4,), generator=g)}
+    return model, batch
+
+
+MODELS = {"gpt2": _gpt2, "t5": _t5, "vit": _vit}
+LR = {"gpt2": 1e-2, "t5": 3e-3, "vit": 1e-3}
+
+
+def _train(name, variant):
+    torch.manual_seed(0)
+    model, batch = MODELS[name]()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR[name])
+    if variant is not None:
+        level, half = VARIANTS[variant]
+        model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=half, verbosity=0)
+    g = torch.Generator().manual_seed(1)
+    data = [batch(g) for _ in range(4)]  # a few fixed batches: the loss must fall, not just wander
+    losses = []
+    try:
+        for step in range(STEPS):
+            loss = model(**data[step % len(data)]).loss.float()
+            if variant is None:
+                loss.backward()
+            else:
+                with amp_patch.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        amp_patch.deinitialize()
+    return losses
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tiny_hf_model_trains_like_fp32(name):
+    reference = _train(name, None)
+    final_ref = sum(reference[-4:]) / 4  # the final loss: the mean over the last pass through the 4 batches
+    assert final_ref < 0.9 * sum(reference[:4]) / 4  # fp32 learns the fixed batches
+    for variant, tol in TOLERANCE.items():
+        losses = _train(name, variant)
+        final = sum(losses[-4:]) / 4
+        rel = abs(final - final_ref) / final_ref
+        print(f"{name} {variant}: final loss {final:.4f} vs fp32 {final_ref:.4f} (rel {rel:.4f})")
+        assert all(torch.isfinite(torch.tensor(losses))), (variant, losses)
+        assert rel <= tol, (variant, final, final_ref)

@@ -112,8 +112,8 @@ def main():
         optimizer.step()
         reduced = reduce_tensor(loss.data, args.world_size) if args.distributed else loss.data
         if rank == 0:
-            print(f"step {step + 1} loss {to_python_float(reduced):.6f} grad norm {to_python_float(norm):.6f} "  # noqa: F405
-                  f"amp_C {to_python_float(norm_amp_c):.6f}")  # noqa: F405
+            value, norm, norm_amp_c = (to_python_float(t) for t in (reduced, norm, norm_amp_c))  # noqa: F405
+            print(f"step {step + 1} loss {value:.6f} grad norm {norm:.6f} amp_C {norm_amp_c:.6f}")
 
     if args.checkpoint and rank == 0:
         torch.save({"step": args.steps, "state_dict": model.state_dict(), "optimizer": optimizer.state_dict(),

@@ -53,17 +53,17 @@ class _AmpLoader(importlib.abc.Loader):
         sys.modules[state_module.__name__] = state_module  # attribute apex.amp._amp_state stays the view
 
 
-def _submodule_or_error(fullname, error):
-    """``module.name`` for a name that is a mirrored submodule (imported now), else raise ``error``."""
+def _submodule_or_error(fullname, make_error):
+    """``module.name`` for a name that is a mirrored submodule (imported now), else raise ``make_error()``."""
     if has_mirror(fullname):
         return importlib.import_module(fullname)
-    raise error
+    raise make_error()
 
 
 def _stub_getattr(name):
     if name.startswith("__") and name.endswith("__"):
         raise AttributeError(f"module 'apex' has no attribute {name!r}")
-    return _submodule_or_error(f"apex.{name}", attribute_error(name))
+    return _submodule_or_error(f"apex.{name}", lambda: attribute_error(name))
 
 
 class _StubApexLoader(importlib.abc.Loader):
@@ -113,7 +113,7 @@ def _mirror_getattr(fullname, source):
             value = _MISSING
         if value is not _MISSING and getattr(value, "__name__", None) != f"{source.__name__}.{name}":
             return value  # (the mirror's own submodules are served as their apex-side modules)
-        return _submodule_or_error(f"{fullname}.{name}", missing_name_error(fullname, name, source))
+        return _submodule_or_error(f"{fullname}.{name}", lambda: missing_name_error(fullname, name, source))
 
     return __getattr__
 

@@ -39,6 +39,7 @@ def main():
     model = GPT2LMHeadModel(config)
     trainer = Trainer(model=model, args=args, train_dataset=Sequences())
     trainer.train(resume_from_checkpoint=model_args.resume_from)
+    print("optimizer", type(trainer.optimizer).__module__, type(trainer.optimizer).__name__)
     print("losses", [log["loss"] for log in trainer.state.log_history if "loss" in log])
     state = trainer.model.state_dict()
     print("embedding dtypes", state["transformer.wte.weight"].dtype, state["lm_head.weight"].dtype)

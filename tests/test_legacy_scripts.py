@@ -128,10 +128,12 @@ def _logged_losses(out):
 
 def test_trainer_apex_backend_o1_trains_a_tiny_gpt2(tmp_path):
     pytest.importorskip("transformers")
-    out = _trainer(tmp_path, tmp_path / "run", "O1", "--save_strategy", "no")
+    fused = has_mirror("apex.optimizers")  # then also the Trainer's --optim adamw_apex_fused (apex's FusedAdam)
+    out = _trainer(tmp_path, tmp_path / "run", "O1", "--save_strategy", "no", *["--optim", "adamw_apex_fused"] * fused)
     losses = _logged_losses(out)
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.1
     assert "embedding dtypes torch.float32 torch.float32" in out
+    assert bool(re.search(r"optimizer \S*apex\.optimizers\S* FusedAdam", out)) == fused
 
 
 def _o2_ties_state_dict_in_fp32():

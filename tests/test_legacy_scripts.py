@@ -152,7 +152,10 @@ def _o2_ties_state_dict_in_fp32():
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_trainer_o2_resume_from_checkpoint_is_bit_exact(tied, tmp_path):
     pytest.importorskip("transformers")
-    if tied and not _o2_ties_state_dict_in_fp32():
+    ties_fixed = _o2_ties_state_dict_in_fp32()
+    if not tied and ties_fixed:
+        pytest.skip("the tied GPT-2 run covers the same O2 resume path (test-time budget)")
+    if tied and not ties_fixed:
         pytest.xfail("issue 13: under O2 a tied weight's state_dict entry is fp16 under one of its names, so the "
                      "Trainer checkpoint holds GPT-2's lm_head/wte in fp16 and the resumed masters differ")
     untie = [] if tied else ["--untied", "true"]

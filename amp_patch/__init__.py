@@ -4,8 +4,8 @@ Importing this package does nothing but define functions: no YAML is read, no
 torch attribute is patched and no device is probed until ``initialize`` (or an
 ``autocast()`` region) asks for it.
 """
-from .errors import (AmpPatchError, BannedOpError, CastError, ConfigError, OpListError, PatchError,
-                     UsageError)
+from .errors import (AmpPatchError, BannedOpError, CastError, ConfigError, NotInitializedError, OpListError,
+                     PatchError, UsageError)
 from .oplist import OpEntry, OpTable, load_op_lists, shipped_names
 from .regions import autocast
 from .tracing import trace
@@ -18,7 +18,8 @@ from .scaling import scale_loss
 __version__ = "0.1.0"
 
 __all__ = [
-    "AmpPatchError", "BannedOpError", "CastError", "ConfigError", "OpListError", "PatchError", "UsageError",
+    "AmpPatchError", "BannedOpError", "CastError", "ConfigError", "NotInitializedError", "OpListError", "PatchError",
+    "UsageError",
     "OpEntry", "OpTable", "load_op_lists", "shipped_names", "autocast", "disable_casts", "float_function",
     "half_function", "promote_function", "register_float_function", "register_half_function",
     "register_promote_function", "initialize", "deinitialize", "clear_cache", "scale_loss", "master_params",

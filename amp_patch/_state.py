@@ -1,5 +1,9 @@
-"""The one pointer to the active session (Apex's API is module-level) and its casting engine."""
-_active = {"session": None, "engine": None}
+"""The one pointer to the active session (Apex's API is module-level) and its casting engine.
+
+Also the one process-level option that exists before any session: Apex's
+``_amp_state.allow_incoming_model_not_fp32`` (set by scripts before ``initialize``).
+"""
+_active = {"session": None, "engine": None, "allow_incoming_model_not_fp32": False}
 
 
 def current():
@@ -20,3 +24,12 @@ def activate(session=None, engine=None):
 def deactivate():
     _active["session"] = None
     _active["engine"] = None
+
+
+def allow_incoming_model_not_fp32():
+    """Apex's process-wide switch: ``initialize`` accepts models that already hold half params/buffers."""
+    return _active["allow_incoming_model_not_fp32"]
+
+
+def set_allow_incoming_model_not_fp32(value):
+    _active["allow_incoming_model_not_fp32"] = bool(value)

@@ -28,12 +28,25 @@ class UsageError(AmpPatchError, RuntimeError):
     """amp_patch used in the wrong order or on the wrong objects."""
 
 
-class BannedOpError(AmpPatchError, RuntimeError):
-    """A banned op (e.g. ``F.binary_cross_entropy`` in half) was called."""
+class BannedOpError(AmpPatchError, NotImplementedError):
+    """A banned op (e.g. ``F.binary_cross_entropy`` in half) was called.
+
+    Also a ``NotImplementedError`` (a ``RuntimeError`` subclass), which is what Apex raised.
+    """
 
 
-class CastError(AmpPatchError, RuntimeError):
-    """A cast amp_patch refuses to do (e.g. an fp32-only in-place op on a half tensor)."""
+class CastError(AmpPatchError, NotImplementedError):
+    """A cast amp_patch refuses to do (e.g. an fp32-only in-place op on a half tensor).
+
+    Also a ``NotImplementedError``, which is what Apex raised for in-place float-list ops on half tensors.
+    """
+
+
+class NotInitializedError(UsageError, AttributeError):
+    """Live state read before ``initialize`` created it (e.g. ``apex.amp._amp_state.loss_scalers``).
+
+    Also an ``AttributeError``, so ``hasattr``/``getattr(..., default)`` keep answering.
+    """
 
 
 class PatchError(AmpPatchError, RuntimeError):

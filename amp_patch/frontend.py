@@ -9,7 +9,7 @@ from .engine import CastingEngine
 from .errors import ConfigError, UsageError
 from .models import ModelPatch
 from .oplist import load_op_lists
-from .opt_levels import resolve
+from .opt_levels import HALF_DTYPES, resolve
 from .optim_state import OptimizerState
 from .patcher import Patcher
 from .registry import REGISTRY
@@ -28,7 +28,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                cast_model_outputs=None, num_losses=1, verbosity=1, min_loss_scale=None, max_loss_scale=2.0 ** 24,
                *, half_dtype=None, op_lists=None, allow_banned=False, growth_factor=2.0, backoff_factor=0.5,
                growth_interval=2000, hysteresis=1, keep_fp32_modules=(), log_all_ranks=False,
-               diagnose_overflow=False, history_size=1000):
+               diagnose_overflow=False, history_size=1000, allow_incoming_model_not_fp32=False):
     """Set up mixed precision for ``models`` and ``optimizers`` (Apex's signature plus keyword-only extras).
 
     Returns the models and optimizers in the structure they were passed (only
@@ -44,6 +44,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         _state.activate(Session(enabled=False))
         return _pack(models, optimizers)
     _check_models(model_list)
+    _check_incoming_fp32(model_list, allow_incoming_model_not_fp32)
     props = resolve(opt_level, half_dtype=half_dtype, keep_fp32_modules=keep_fp32_modules,
                     cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
@@ -150,6 +151,23 @@ def _check_models(models):
         if isinstance(model, _WRAPPERS):
             raise UsageError(f"the model is already wrapped in {type(model).__name__}; call amp_patch.initialize() "
                              f"on the bare model first, then wrap it: model = {type(model).__name__}(model, ...)")
+
+
+def _check_incoming_fp32(models, allow):
+    """Apex refused a model that arrives in half: its weights would have no fp32 values to train from."""
+    if allow or _state.allow_incoming_model_not_fp32():
+        return
+    for model in models:
+        named = [("parameter", n, t) for n, t in model.named_parameters()]
+        named += [("buffer", n, t) for n, t in model.named_buffers()]
+        for kind, name, tensor in named:
+            if tensor is not None and tensor.dtype in HALF_DTYPES:
+                raise UsageError(
+                    f"{kind} {name!r} of the {type(model).__name__} passed to initialize is {tensor.dtype}; expected "
+                    "torch.float32. Do not call .half() (or .to(torch.float16/bfloat16)) on the model before "
+                    "initialize, whatever the opt level: O2/O3 cast it themselves and O2 keeps fp32 master weights. "
+                    "Pass the fp32 model; if a half model is intended, pass allow_incoming_model_not_fp32=True "
+                    "(Apex scripts: apex.amp._amp_state.allow_incoming_model_not_fp32 = True)")
 
 
 def _prepare_models(session, models):

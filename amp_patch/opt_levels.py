@@ -19,7 +19,7 @@ class Properties:
     """The resolved configuration of one session."""
 
     opt_level: str
-    cast_model_type: object  # None (leave the model) or a dtype
+    cast_model_type: object  # None (leave the model: also what cast_model_type=False asks for) or a dtype
     patch_torch_functions: bool
     keep_batchnorm_fp32: object  # None, True or False
     master_weights: bool
@@ -109,6 +109,8 @@ def resolve(opt_level, *, half_dtype=None, keep_fp32_modules=(), **overrides):
     if half_dtype is torch.bfloat16 and "loss_scale" not in given and props["loss_scale"] == "dynamic":
         props["loss_scale"] = 1.0  # bf16 has fp32's range: no scaling, but overflow still skips the step
     props.update({k: v for k, v in given.items() if k in props})
+    if props["cast_model_type"] is False:  # Apex: False means "do not cast the model" (None: the level's default)
+        props["cast_model_type"] = None
     if props["cast_model_type"] == "half":
         props["cast_model_type"] = half_dtype
     props["loss_scale"] = parse_loss_scale(props["loss_scale"])
@@ -122,7 +124,7 @@ def _resolve_half_dtype(half_dtype, cast_model_type):
         raise ConfigError(f"half_dtype={half_dtype!r}; allowed: torch.float16, torch.bfloat16")
     if cast_model_type not in (None, False, torch.float32) + HALF_DTYPES:
         raise ConfigError(f"cast_model_type={cast_model_type!r}; allowed: torch.float32, torch.float16, "
-                          "torch.bfloat16 (or None for the opt level's default)")
+                          "torch.bfloat16, False (do not cast the model) or None (the opt level's default)")
     if cast_model_type in HALF_DTYPES:
         if half_dtype is not None and half_dtype is not cast_model_type:
             raise ConfigError(f"cast_model_type={cast_model_type} and half_dtype={half_dtype} disagree; "

@@ -5,7 +5,11 @@
 - :func:`install_apex_alias` installs the alias in this process (notebooks, launchers); it returns a
   handle whose ``uninstall()`` (or ``with`` block) removes it again; :func:`uninstall_apex_alias` too.
 - ``from amp_patch.legacy import amp`` is the one-line edit alternative: the same module ``apex.amp`` gives.
-- ``amp.init()`` (Apex's old handle API) is in :mod:`amp_patch.legacy.handle`.
+- ``amp.init()`` (Apex's old handle API) is in :mod:`amp_patch.legacy.handle`; ``apex.amp._amp_state`` (a live
+  view of the session) in :mod:`amp_patch.legacy.amp_state`.
+- The other Apex modules the alias serves (``apex.parallel``, ``apex.optimizers``, ..., ``amp_C``, ``apex_C``)
+  live in :mod:`amp_patch.legacy.apex` and beside it (:mod:`amp_patch.legacy.mirror` says how they are found);
+  ``importlib.metadata`` sees an ``apex`` distribution while the alias is installed (:mod:`amp_patch.legacy.metadata`).
 See docs/migration.md.
 """
 from . import apex_amp as amp

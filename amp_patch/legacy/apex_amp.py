@@ -5,13 +5,15 @@
 exposes the same names. Apex's new API (``initialize``, ``scale_loss``,
 ``master_params``, ``state_dict``/``load_state_dict``, registrations, decorators,
 ``disable_casts``) is amp_patch's own; the old handle API (``amp.init()``) lives
-in :mod:`amp_patch.legacy.handle`. Other Apex names raise an
+in :mod:`amp_patch.legacy.handle`; ``_amp_state`` is a live view of the session
+(:mod:`amp_patch.legacy.amp_state`). Other Apex names raise an
 :class:`~amp_patch.legacy.unsupported.ApexAttributeError` naming the alternative.
 """
 from ..frontend import deinitialize, initialize, load_state_dict, master_params, state_dict
 from ..scaling import scale_loss
 from ..registry import (disable_casts, float_function, half_function, promote_function, register_float_function,
                         register_half_function, register_promote_function)
+from .amp_state import AMP_STATE as _amp_state
 from .handle import init
 from .unsupported import attribute_error
 
@@ -20,6 +22,7 @@ __all__ = [
     "register_float_function", "register_promote_function", "half_function", "float_function", "promote_function",
     "disable_casts", "init", "deinitialize",
 ]
+_EXTRA = ["_amp_state"]  # provided by ``apex.amp`` too, but not star-imported (as in Apex)
 
 
 def __getattr__(name):

@@ -9,7 +9,8 @@ from .alias import install_apex_alias
 
 _EPILOG = """\
 The script runs as __main__ with sys.argv = [script.py, args...], exactly as `python script.py args...`
-would run it, except that `import apex` / `from apex import amp` resolve to amp_patch. With torchrun:
+would run it, except that `import apex` / `from apex import amp` (and the other apex modules amp_patch
+provides, see docs/migration.md) resolve to amp_patch. With torchrun:
   torchrun --nproc_per_node=2 -m amp_patch run train.py --opt-level O1
 Exit status: the script's (SystemExit code, 0 when it returns, 1 on an uncaught exception)."""
 
@@ -20,7 +21,9 @@ def add_parser(subparsers):
         "run", help="run an Apex script (from apex import amp) unmodified on amp_patch",
         description="Run a training script written for NVIDIA Apex's amp (removed from Apex in May 2025) on "
                     "amp_patch, without editing it: `import apex.amp` and `from apex import amp` get amp_patch's "
-                    "Apex-compatible API. A real apex package keeps working; only apex.amp is provided.",
+                    "Apex-compatible API, and the apex modules amp_patch provides (apex.parallel, apex.optimizers, "
+                    "apex.fp16_utils, ..., amp_C, apex_C) are importable; importlib.metadata sees an apex "
+                    "distribution. A real apex package keeps working: only what it lacks is added.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--force", action="store_true",
                         help="use amp_patch's apex.amp even if a real apex.amp is installed")

@@ -16,6 +16,7 @@ from ..errors import UsageError
 from ..frontend import deinitialize, initialize
 from ..optim_state import OptimizerState
 from ..scaler import LossScaler
+from .amp_state import ScalerView
 from .unsupported import attribute_error
 
 log = logging.getLogger("amp_patch")
@@ -113,8 +114,8 @@ class AmpHandle:
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        if name == "_default_scaler":
-            raise attribute_error("amp._amp_state")
+        if name == "_default_scaler":  # Apex's handle.scale_loss scaler: here the session's scaler 0
+            return ScalerView(self._require_active("_default_scaler").scalers[0])
         raise attribute_error(f"amp.AmpHandle.{name}")
 
 

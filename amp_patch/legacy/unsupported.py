@@ -1,5 +1,9 @@
 """Apex features amp_patch does not provide, and what to use instead.
 
+An entry of :data:`UNSUPPORTED` for a whole module (``"parallel"``, ``"optimizers"``, ...)
+applies only while amp_patch has no mirror of that module (:mod:`amp_patch.legacy.mirror`):
+once amp_patch provides ``apex.X``, ``apex.X`` is served and only names it lacks raise.
+
 Looking one up raises :class:`ApexAttributeError` (an ``AttributeError``, for
 ``apex.amp.X`` / ``handle.X``) or :class:`ApexImportError` (a
 ``ModuleNotFoundError``, for ``import apex.X``), both :class:`~amp_patch.AmpPatchError`
@@ -11,13 +15,11 @@ from ..errors import AmpPatchError
 _DOCS = "See docs/migration.md."
 _PUBLIC = ("the public API: amp.initialize, amp.scale_loss, amp.master_params, amp.state_dict/load_state_dict, "
            "amp.register_half/float/promote_function, amp.disable_casts")
-_OTHER_APEX = ("NVIDIA apex itself (it still ships its non-amp modules; amp_patch then provides only apex.amp), "
-               "or the native torch equivalent")
+_OTHER_APEX = ("NVIDIA apex itself (the alias then leaves its modules alone and adds only the apex modules it "
+               "lacks), or the native torch equivalent")
 
 # name relative to ``apex`` -> (what the feature is, what to use instead)
 UNSUPPORTED = {
-    "amp._amp_state": ("apex.amp._amp_state (Apex's internal state, e.g. _amp_state.loss_scalers[0].loss_scale())",
-                       "amp.state_dict()['loss_scaler0']['loss_scale'] or amp_patch.loss_scale(loss_id)"),
     "amp.rnn_compat": ("apex.amp.rnn_compat (Apex's internal RNN patching)",
                        "nothing: amp_patch's O1 casts nn.LSTM/GRU/RNN through its op lists (docs/op_lists.md); "
                        "delete the call"),
@@ -33,7 +35,7 @@ UNSUPPORTED = {
                          "optimizer = amp.init().wrap_optimizer(optimizer, num_loss=N)"),
     "amp.Properties": ("apex.amp.frontend.Properties (Apex's option object)",
                        "keyword arguments of amp.initialize (opt_level=..., loss_scale=..., ...)"),
-    "amp.opt_properties": ("apex.amp._amp_state.opt_properties", "the arguments you passed to amp.initialize"),
+    "amp.opt_properties": ("apex.amp.opt_properties", "apex.amp._amp_state.opt_properties"),
     "optimizers": ("apex.optimizers (FusedAdam, FusedLAMB, FusedSGD, FusedNovoGrad)",
                    "torch.optim.AdamW(params, fused=True) / torch.optim.Adam(fused=True) / "
                    "torch.optim.SGD(fused=True) (foreach=True on CPU)"),
@@ -46,6 +48,13 @@ UNSUPPORTED = {
     "RNN": ("apex.RNN", "torch.nn.LSTM / torch.nn.GRU (O1 casts them)"),
     "reparameterization": ("apex.reparameterization (weight norm)", "torch.nn.utils.parametrizations.weight_norm"),
     "multi_tensor_apply": ("apex.multi_tensor_apply", "torch._foreach_* ops"),
+    "contrib": ("apex.contrib (Apex's CUDA extensions: fused attention, group norm, optimizers, ...)",
+                "NVIDIA apex itself (the alias then leaves its modules alone), or the native torch equivalent"),
+    "transformer": ("apex.transformer (Megatron-style tensor/pipeline parallelism)",
+                    "Megatron-Core or torch.distributed.tensor.parallel"),
+    "mlp": ("apex.mlp (fused MLP)", "torch.nn.Sequential of torch.nn.Linear and activations"),
+    "fused_dense": ("apex.fused_dense", "torch.nn.Linear"),
+    "pyprof": ("apex.pyprof", "torch.profiler"),
 }
 _INTERNAL_AMP = ("amp", "frontend", "_initialize", "_process_optimizer", "handle", "opt", "wrap", "utils", "compat",
                  "_amp_state", "rnn_compat", "lists", "scaler", "__version__")
@@ -72,6 +81,10 @@ class ApexImportError(ApexFeatureError, ModuleNotFoundError):
 def describe(name):
     """(feature, alternative) for ``name`` relative to ``apex`` (e.g. ``"optimizers.FusedAdam"``)."""
     parts = name.split(".")
+    provided = _provided_ancestor(parts)
+    if provided is not None:
+        return (f"apex.{name} (amp_patch provides apex.{provided}, but not this)",
+                f"the names apex.{provided} has (docs/migration.md lists them), {_OTHER_APEX}")
     for cut in range(len(parts), 0, -1):
         known = UNSUPPORTED.get(".".join(parts[:cut]))
         if known is not None:
@@ -83,6 +96,25 @@ def describe(name):
             return f"apex.{name} (an Apex-internal module)", _PUBLIC
         return f"apex.{name}", f"{_PUBLIC} (apex.amp has no {parts[-1]!r})"
     return f"apex.{name} (not part of apex.amp)", _OTHER_APEX
+
+
+def _provided_ancestor(parts):
+    """The longest proper prefix of ``parts`` that amp_patch's mirror provides (e.g. "parallel"), or None."""
+    from .mirror import has_mirror
+
+    if parts[0] == "amp":
+        return None
+    for cut in range(len(parts) - 1, 0, -1):
+        if has_mirror("apex." + ".".join(parts[:cut])):
+            return ".".join(parts[:cut])
+    return None
+
+
+def missing_name_error(module_name, name, module):
+    """``module_name.name`` where amp_patch provides ``module_name`` but it has no ``name``."""
+    names = getattr(module, "__all__", None) or sorted(k for k in vars(module) if not k.startswith("_"))
+    return ApexAttributeError(f"{module_name}.{name} (amp_patch's {module_name} has: {', '.join(names)})",
+                              f"one of those names, {_OTHER_APEX}")
 
 
 def attribute_error(name):

@@ -1,0 +1,181 @@
+"""``apex.amp._amp_state``: a live view of amp_patch's session in the shape Apex's unit tests and scripts read.
+
+Nothing is stored here: every read goes to the active session (``amp_patch._state``),
+every write goes to the live object it names.
+
+- ``loss_scalers[i].loss_scale()``, ``._loss_scale`` (read and write), ``._unskipped``
+  (read and write), ``.dynamic``: the session's loss scaler ``i``.
+- ``handle._deactivate()``: ``amp_patch.deinitialize()`` (a no-op without a session); ``handle.is_active()``.
+- ``opt_properties.opt_level`` / ``.loss_scale`` / ``.master_weights`` / ...: the resolved options (read only).
+- ``allow_incoming_model_not_fp32`` (read and write): the switch ``initialize`` honours before refusing a
+  model that arrives in half.
+- ``min_loss_scale`` / ``max_loss_scale``: scaler 0's bounds.
+"""
+from .. import _state
+from ..errors import NotInitializedError, UsageError
+from ..frontend import deinitialize, master_params
+from .unsupported import attribute_error
+
+_PROPERTY_NAMES = ("opt_level", "cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
+                   "master_weights", "loss_scale", "cast_model_outputs", "half_dtype", "keep_fp32_modules")
+
+
+def _session(what):
+    session = _state.current()
+    if session is None:
+        raise NotInitializedError(f"apex.amp._amp_state.{what} was read before amp.initialize(); it exists once "
+                                  "amp.initialize(...) (or amp.init()) has run, until amp_patch.deinitialize()")
+    return session
+
+
+class ScalerView:
+    """``_amp_state.loss_scalers[i]``: Apex's LossScaler attributes on amp_patch's live scaler."""
+
+    def __init__(self, scaler):
+        object.__setattr__(self, "_scaler", scaler)
+
+    def loss_scale(self):
+        return self._scaler.scale
+
+    @property
+    def dynamic(self):
+        return self._scaler.dynamic
+
+    @property
+    def _loss_scale(self):
+        return self._scaler.scale
+
+    @_loss_scale.setter
+    def _loss_scale(self, value):
+        self._write(loss_scale=value)
+
+    @property
+    def _unskipped(self):
+        return self._scaler.state_dict()["unskipped"]
+
+    @_unskipped.setter
+    def _unskipped(self, value):
+        self._write(unskipped=value, growth_tracker=value)
+
+    @property
+    def _has_overflow(self):
+        return self._scaler.last_overflow
+
+    def _write(self, **values):
+        """Change the live scaler through its validated state_dict path (bad values raise ConfigError)."""
+        state = self._scaler.state_dict()
+        state.update(values)
+        self._scaler.load_state_dict(state)
+
+    def __setattr__(self, name, value):
+        if not isinstance(getattr(type(self), name, None), property) or getattr(type(self), name).fset is None:
+            raise UsageError(f"_amp_state.loss_scalers[{self._scaler.loss_id}].{name} cannot be set; settable: "
+                             "_loss_scale, _unskipped (or use amp.load_state_dict)")
+        object.__setattr__(self, name, value)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise attribute_error(f"amp._amp_state.loss_scalers[{self._scaler.loss_id}].{name}")
+
+    def __repr__(self):
+        return f"<apex.amp._amp_state view of {self._scaler!r}>"
+
+
+class PropertiesView:
+    """``_amp_state.opt_properties``: the options ``initialize`` resolved (read only)."""
+
+    def __init__(self, session):
+        object.__setattr__(self, "_session", session)
+
+    @property
+    def enabled(self):
+        return self._session.enabled
+
+    @property
+    def options(self):
+        return {name: getattr(self, name) for name in ("enabled",) + _PROPERTY_NAMES}
+
+    def __getattr__(self, name):
+        if name in _PROPERTY_NAMES:
+            props = self._session.props
+            return getattr(props, name) if props is not None else None
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise attribute_error(f"amp._amp_state.opt_properties.{name}")
+
+    def __setattr__(self, name, value):
+        raise UsageError(f"_amp_state.opt_properties.{name} is read only in amp_patch; pass {name}= to "
+                         "amp.initialize(...) instead")
+
+
+class HandleView:
+    """``_amp_state.handle``: ``_deactivate()`` is ``amp_patch.deinitialize()``."""
+
+    def _deactivate(self):
+        deinitialize()
+
+    def is_active(self):
+        return _state.current() is not None
+
+    def _clear_cache(self):
+        session = _state.current()
+        if session is not None:
+            session.clear_cache()
+
+
+class AmpStateView:
+    """``apex.amp._amp_state``."""
+
+    @property
+    def loss_scalers(self):
+        return [ScalerView(s) for s in _session("loss_scalers").scalers]
+
+    @property
+    def opt_properties(self):
+        return PropertiesView(_session("opt_properties"))
+
+    @property
+    def handle(self):
+        return HandleView()  # (also after deinitialize: a second _deactivate() is a no-op, as in Apex)
+
+    @property
+    def min_loss_scale(self):
+        return self._scaler0("min_loss_scale")
+
+    @property
+    def max_loss_scale(self):
+        return self._scaler0("max_loss_scale")
+
+    def _scaler0(self, name):
+        scalers = _session(name).scalers
+        return scalers[0].hyperparameters[name] if scalers else None
+
+    @property
+    def allow_incoming_model_not_fp32(self):
+        return _state.allow_incoming_model_not_fp32()
+
+    @allow_incoming_model_not_fp32.setter
+    def allow_incoming_model_not_fp32(self, value):
+        _state.set_allow_incoming_model_not_fp32(value)
+
+    def __setattr__(self, name, value):
+        if name != "allow_incoming_model_not_fp32":
+            raise UsageError(f"apex.amp._amp_state.{name} cannot be set in amp_patch (it is a view of the live "
+                             "session); settable: allow_incoming_model_not_fp32, loss_scalers[i]._loss_scale, "
+                             "loss_scalers[i]._unskipped")
+        object.__setattr__(self, name, value)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if isinstance(getattr(type(self), name, None), property):
+            _session(name)  # a property raised NotInitializedError: say so, not "unsupported"
+        raise attribute_error(f"amp._amp_state.{name}")
+
+    def __repr__(self):
+        return "<apex.amp._amp_state: a view of amp_patch's active session>"
+
+
+AMP_STATE = AmpStateView()
+__all__ = ["AMP_STATE", "master_params"]

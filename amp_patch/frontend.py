@@ -53,6 +53,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                                         backoff_factor, growth_interval, hysteresis)
         _install_casting(session, op_lists, allow_banned)
         _reach_early_bound(session, model_list)
+        _attach_scopes(session, model_list)
         _guard_step_pause(session, model_list)
         _set_up_diagnostics(session, model_list, diagnose_overflow, history_size)
     except BaseException:
@@ -164,6 +165,12 @@ def _reach_early_bound(session, models):
     session.refresh_early_bound()
     session.undo.append(session.drop_early_bound)
     session.unreachable = early_bound.scan_globals(models, session.engine)
+
+
+def _attach_scopes(session, models):
+    """Module-scoped op lists (the op list's ``scopes:``) apply inside the models' matching modules."""
+    if session.engine is not None:
+        session.engine.attach_scopes(models)
 
 
 def _guard_step_pause(session, models):

@@ -33,6 +33,7 @@ HOOKS = {
     "experiment": "amp_patch.experiment",  # amp-patch experiment: fp32 vs O1/O2/O3 vs native autocast
     "run": "amp_patch.legacy",             # amp-patch run train.py: run an Apex script unchanged
     "trace": "amp_patch.trace_cli",        # amp-patch trace: which ops ran in which dtype
+    "doctor": "amp_patch.precision_doctor",         # amp-patch doctor: the op behind overflow, and its op-list fix
 }
 
 

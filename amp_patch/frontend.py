@@ -44,6 +44,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
                     loss_scale=loss_scale, cast_model_outputs=cast_model_outputs)
     session = Session(props)
+    session.models = model_list  # (history names the params with non-finite grads)
     session.undo.append(distributed.install_rank_filter(log_all_ranks))
     try:
         fp32_data = _prepare_models(session, model_list)

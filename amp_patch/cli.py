@@ -57,6 +57,9 @@ def _add_validate(subparsers):
     parser.add_argument("specs", nargs="+", metavar="FILE_OR_NAME",
                         help="a YAML file, or a shipped list name (see 'amp-patch lists')")
     parser.add_argument("-q", "--quiet", action="store_true", help="print errors only")
+    parser.add_argument("--job", metavar="MODULE:FUNCTION", default=None,
+                        help="also check the lists' scopes: globs against this job's model (the experiment's job "
+                             "convention); a glob matching no module is an error")
     parser.set_defaults(func=_run_validate)
     return parser
 
@@ -77,6 +80,9 @@ def _run_validate(args):
     from .errors import AmpPatchError, OpListError
     from .oplist import load_op_lists
     failed = 0
+    model = _job_model(args.job) if args.job else None
+    if model is False:
+        return 1
     for arg in args.specs:
         try:
             table = load_op_lists(_spec_for(arg))
@@ -88,6 +94,9 @@ def _run_validate(args):
             failed += 1
             print(f"{arg}: {exc}", file=sys.stderr)
             continue
+        if model is not None and not _scopes_match(arg, table, model):
+            failed += 1
+            continue
         if args.quiet:
             continue
         skipped = f"; {len(table.skipped)} skipped on torch {_torch_version()}" if table.skipped else ""
@@ -98,6 +107,27 @@ def _run_validate(args):
     if failed:
         print(f"amp-patch validate: {failed} of {len(args.specs)} op list(s) invalid", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _job_model(spec):
+    """The model of ``--job`` (False, reported, when the job cannot be loaded)."""
+    from .errors import AmpPatchError
+    from .experiment.models import load_job
+    try:
+        return load_job(spec).model_fn()
+    except AmpPatchError as exc:
+        print(f"amp-patch validate: {exc}", file=sys.stderr)
+        return False
+
+
+def _scopes_match(arg, table, model):
+    """Report each scopes: glob that matches no module of ``model``; True when every glob matches one."""
+    from .scopes import unmatched_globs
+    unmatched = unmatched_globs(table.scopes, [model])
+    for scope in unmatched:
+        print(f"{scope.path}:{scope.line}: scope {scope.glob!r} matches no module of the job's model "
+              f"({type(model).__name__}); module paths are as model.named_modules() spells them", file=sys.stderr)
+    return not unmatched
 
 
 def _torch_version():

@@ -13,7 +13,7 @@ import torch
 from ._resolve import resolve_target
 from .casting import CastCache, DisabledThreads, make_to_half, make_wrapper
 from .patcher import Patcher
-from .scopes import ScopeRuntime, passthrough
+from .scopes import ScopeRuntime, passthrough, unmatched_globs
 
 log = logging.getLogger("amp_patch")
 
@@ -94,6 +94,10 @@ class CastingEngine:
         if self.scopes is not None:
             self.scopes.detach()
             self.scopes.attach(models)
+            for scope in unmatched_globs(self.scopes.scopes, models):
+                log.warning("amp_patch: scope %r (%s:%s) matches no module of the model(s); it has no effect. "
+                            "Module paths are as model.named_modules() spells them (check with amp-patch "
+                            "validate --job MODULE:FUNCTION)", scope.glob, scope.path, scope.line)
 
     def retrace(self, tracer):
         """Reinstall every wrapper, recording into ``tracer`` (or, with None, the plain ones)."""

@@ -44,7 +44,6 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
                     loss_scale=loss_scale, cast_model_outputs=cast_model_outputs)
     session = Session(props)
-    session.models = model_list  # (history names the params with non-finite grads)
     session.undo.append(distributed.install_rank_filter(log_all_ranks))
     try:
         fp32_data = _prepare_models(session, model_list)
@@ -188,6 +187,7 @@ def _set_up_diagnostics(session, models, diagnose_overflow, history_size):
     if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
         raise ConfigError(f"history_size={history_size!r}; pass a positive number of steps to keep")
     session.history = StepHistory(history_size)
+    session.models = models  # (a skipped step's cause names the params with non-finite grads)
     if not diagnose_overflow:
         return
     tracer = None

@@ -106,3 +106,29 @@ def nan_data():
 def nan_data_job():
     return {"model_fn": mlp_model, "optimizer_fn": _sgd, "data_fn": nan_data, "loss_fn": _ce,
             "batch_size": 16, "name": "nan_data"}
+
+
+class SmallHead(nn.Module):
+    """A classifier over features beyond float16's range: F.linear (half) casts them to inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(CLASSES, 16) * 0.1)
+
+    def forward(self, e):
+        return F.linear(e, self.weight * 1e-5)
+
+
+class ExpFeatures(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(DIM, 16)
+        self.head = SmallHead()
+
+    def forward(self, x):
+        return self.head(torch.exp(self.lin(x) * 0.1 + 12.0))  # exp runs in float32: about e**12 = 1.6e5
+
+
+def cast_job():
+    return {"model_fn": ExpFeatures, "optimizer_fn": _sgd, "data_fn": lambda_free_mlp_data, "loss_fn": _ce,
+            "batch_size": 16, "name": "cast"}

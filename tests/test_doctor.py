@@ -55,6 +55,16 @@ def test_overflowing_custom_reduction_is_moved_to_float_in_its_module():
     assert report.after["final_loss"] == pytest.approx(report.fp32_final_loss, rel=0.10)
 
 
+def test_a_float32_value_beyond_half_range_is_blamed_on_the_op_whose_cast_overflowed():
+    report = amp_patch.doctor(jobs.cast_job(), steps=STEPS)
+    assert report.status == "fixed"
+    first = report.culprits[0]
+    assert (first["module"], first["op"], first["where"]) == ("head", "torch.nn.functional.linear",
+                                                              "input cast to half")
+    assert first["max_abs_float32"] > torch.finfo(torch.float16).max  # the fp32 feature exp() produced
+    assert report.fixes == [{"target": "torch.nn.functional", "name": "linear", "scope": "head"}]
+
+
 def test_nan_from_the_data_is_reported_as_not_fixable(tmp_path):
     out = tmp_path / "never.yaml"
     report = amp_patch.doctor(jobs.nan_data_job(), steps=STEPS, out=out)

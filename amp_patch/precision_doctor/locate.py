@@ -15,6 +15,7 @@ from .. import _state, frontend
 from ..casting import HALF_DTYPES, cast_tree, iter_tensors
 
 _MAX_EVENTS = 32
+_CASTS = frozenset(("half", "bfloat16", "to", "type"))  # a wrapper's cast of an fp32 argument into half
 
 
 @dataclasses.dataclass
@@ -89,6 +90,7 @@ class _Watch(TorchFunctionMode):
         super().__init__()
         self.limit, self.entries, self.modules = limit, entries, modules
         self.culprits, self.grad_culprits = [], []
+        self.pending = {}  # id(cast output) -> (output, culprit): an overflowing cast, blamed on its consumer
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -104,16 +106,35 @@ class _Watch(TorchFunctionMode):
 
     def _check(self, func, entry, args, kwargs, out):
         outs = [t for t in iter_tensors(out) if t.is_floating_point()]
-        if not outs:
-            return
         inputs = list(iter_tensors((args, kwargs)))
+        if self.pending and self._consumes_bad_cast(func, entry, inputs) or not outs:
+            return
         if any(_is_bad(t, self.limit) for t in outs) and _all_finite(inputs):
-            self.culprits.append(self._culprit(func, entry, inputs, "output", _float_max(func, args, kwargs)))
+            if getattr(func, "__name__", "") in _CASTS and entry is None and len(outs) == 1:
+                largest = max(float(t.detach().abs().amax()) for t in inputs if t.is_floating_point() and t.numel())
+                self.pending[id(outs[0])] = (outs[0], self._culprit(func, entry, inputs, "output", largest))
+            else:
+                self.culprits.append(self._culprit(func, entry, inputs, "output", _float_max(func, args, kwargs)))
         elif any(t.dtype in HALF_DTYPES and t.requires_grad for t in outs):
             culprit = self._culprit(func, entry, inputs, "gradient", None)
             for t in outs:
                 if t.requires_grad:
                     t.register_hook(self._grad_hook(culprit))
+
+    def _consumes_bad_cast(self, func, entry, inputs):
+        """An op whose half argument overflowed when its wrapper cast it: the op (not the cast) is the culprit."""
+        for t in inputs:
+            hit = self.pending.pop(id(t), None)
+            if hit is not None and hit[0] is t:
+                culprit = self._culprit(func, entry, inputs, "input cast to half", hit[1].max_abs)
+                self.culprits.append(dataclasses.replace(culprit, module=hit[1].module))
+                return True
+        return False
+
+    def flush(self):
+        """Overflowing casts no op consumed are culprits themselves."""
+        self.culprits += [culprit for _, culprit in self.pending.values()]
+        self.pending.clear()
 
     def _culprit(self, func, entry, inputs, where, max_abs):
         target, name, category, source = _op_identity(func, entry)
@@ -182,6 +203,7 @@ def replay(job, state, batch, *, half_dtype, op_lists, precise=False):
         watch = _Watch(limit, _patched_entries(), stack)
         with _module_stack(model, stack), watch:
             loss = job.loss_fn(model(*inputs), target)
+            watch.flush()
             loss.float().backward()
         grads_finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters())
     finally:

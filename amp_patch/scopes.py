@@ -11,11 +11,12 @@ op the innermost running scoped module that lists it decides; ops a scope does n
 enclosing scope, then to the global list. ``*`` matches one path component, ``**`` any number of them.
 
 Run time: only ops named by some scope get a dispatching wrapper, and only modules matching some glob get
-a wrapping instance ``forward`` (removed again by ``deinitialize``). It pushes/pops the scope's override table on a per-thread stack held in a dict keyed by
-thread ident, which is empty while no scoped module runs anywhere: a scoped op called outside every scoped
+an instance ``forward`` (removed again by ``deinitialize``). It pushes/pops the scope's override table on a
+per-thread stack held in a dict keyed by thread ident, which is empty while no scoped module runs anywhere: a scoped op called outside every scoped
 module pays one truth test of that empty dict; an op no scope names pays nothing.
 """
 import dataclasses
+import functools
 import re
 import threading
 
@@ -38,23 +39,18 @@ class Scope:
         return compile_glob(self.glob).fullmatch(module_path) is not None
 
 
-_GLOB_CACHE = {}
-
-
+@functools.lru_cache(maxsize=1024)
 def compile_glob(glob):
     """``*``: one dotted component (or part of one); ``**``: any number of components (also none)."""
-    pattern = _GLOB_CACHE.get(glob)
-    if pattern is None:
-        parts = []
-        for token in re.split(r"(\*\*\.?|\*)", glob):
-            if token.startswith("**"):
-                parts.append(r"(?:[^.]+\.)*" if token.endswith(".") else r".*")
-            elif token == "*":
-                parts.append(r"[^.]*")
-            else:
-                parts.append(re.escape(token))
-        pattern = _GLOB_CACHE[glob] = re.compile("".join(parts))
-    return pattern
+    parts = []
+    for token in re.split(r"(\*\*\.?|\*)", glob):
+        if token.startswith("**"):
+            parts.append(r"(?:[^.]+\.)*" if token.endswith(".") else r".*")
+        elif token == "*":
+            parts.append(r"[^.]*")
+        else:
+            parts.append(re.escape(token))
+    return re.compile("".join(parts))
 
 
 def parse_scopes(document, block, line):
@@ -168,26 +164,10 @@ class ScopeRuntime:
         self._module_tables.clear()
 
     def _wrap_forward(self, module, table):
-        """An instance ``forward`` that pushes ``table`` for the call; returns the undo.
-
-        torch.compile does not trace it (``torch.compiler.disable``): dynamo resolves torch functions by
-        name, past the patches, so a scoped module runs eagerly (one graph break per call) and its ops
-        take the scope's categories; the rest of the model compiles as before.
-        """
+        """An instance ``forward`` that pushes ``table`` for the call; returns the undo."""
         own = vars(module)
         had, previous = "forward" in own, own.get("forward")
-        inner = module.forward
-        push, pop = self._pusher(table), self._pop
-
-        def forward(*args, **kwargs):
-            push()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                pop()
-
-        own["forward"] = torch.compiler.disable(forward)
-        installed = own["forward"]
+        installed = own["forward"] = _ScopedForward(module, previous, self._pusher(table), self._pop)
 
         def undo():
             if own.get("forward") is installed:
@@ -248,3 +228,28 @@ def passthrough(original):
     """The global behaviour of an op that only scopes name: call the original."""
     return original
 
+
+class _ScopedForward:
+    """A scoped module's instance ``forward``: push the scope, run the module's own forward, pop.
+
+    It holds the module (not a bound method), so a ``copy.deepcopy`` of the model (an EMA copy) runs the copy's
+    own forward, in the same scope. torch.compile does not trace it (``torch.compiler.disable``): dynamo
+    resolves torch functions by name, past the patches, so a scoped module runs eagerly (one graph break per
+    call) and its ops take the scope's categories; the rest of the model compiles as before.
+    """
+
+    def __init__(self, module, previous, push, pop):
+        self.module, self.previous, self.push, self.pop = module, previous, push, pop
+
+    def __call__(self, *args, **kwargs):
+        return _run_scoped(self, args, kwargs)
+
+
+@torch.compiler.disable
+def _run_scoped(scoped, args, kwargs):
+    forward = scoped.previous if scoped.previous is not None else type(scoped.module).forward.__get__(scoped.module)
+    scoped.push()
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        scoped.pop()

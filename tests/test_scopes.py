@@ -222,3 +222,35 @@ def test_a_glob_matching_no_module_warns_at_initialize_and_fails_validate_job(tm
     err = capsys.readouterr().err
     assert f"{typo}:3: scope 'layers.*.atn' matches no module" in err
     assert os.fspath(good) not in err
+
+
+def test_scopes_in_an_autocast_region_warn_that_they_do_nothing():
+    spec = {"extends": "apex", "scopes": {"a": {"float": {"torch": ["bmm"]}}}}
+    with pytest.warns(UserWarning, match="scopes: section has no effect in an autocast"):
+        with amp_patch.autocast(half_dtype=HALF, op_lists=spec):
+            assert torch.bmm(X, X.transpose(1, 2)).dtype == HALF
+
+
+def test_a_deepcopy_of_a_scoped_model_runs_its_own_weights_in_the_scope():
+    import copy
+
+    class Lin(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    model = _init(Lin(), {"fc": {"float": {"torch.nn.functional": ["linear"]}}})
+    try:
+        ema = copy.deepcopy(model)
+        with torch.no_grad():
+            ema.fc.weight.zero_()
+            ema.fc.bias.zero_()
+        x = torch.randn(2, 4)
+        out, ema_out = model(x), ema(x)
+    finally:
+        amp_patch.deinitialize()
+    assert out.dtype == ema_out.dtype == torch.float32
+    assert bool((ema_out == 0).all()) and not bool((out == 0).all())

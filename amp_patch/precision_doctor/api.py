@@ -1,4 +1,5 @@
 """``doctor(job, ...)``: the steps, each a named function; the result is a :class:`DoctorReport`."""
+import contextlib
 import dataclasses
 import math
 import os
@@ -9,7 +10,7 @@ import torch
 from .. import _state
 from ..errors import ConfigError, UsageError
 from ..experiment.models import as_job, load_job
-from .fix import base_for_file, op_list_spec, search, yaml_text
+from .fix import Fix, base_for_file, op_list_spec, search, yaml_text
 from .locate import replay
 from .training import train
 
@@ -52,13 +53,13 @@ class DoctorReport:
 
 
 def doctor(job, *, opt_level="O1", half_dtype=torch.float16, steps=40, op_lists=None, out=None):
-    """Diagnose ``job`` (a Job, a job dict/object or a ``module:function`` string); see the module docstring.
+    """Diagnose ``job`` (a Job, a job dict/object or a ``module:function`` string); see :mod:`amp_patch.precision_doctor`.
 
     ``op_lists``: the list the job uses (a shipped name or a path; default ``"apex"``); the written list
     ``extends`` it. ``out``: where to write the fix (only when one is found and verified).
     """
-    job, name = _load(job)
     half_dtype, base = _check_args(opt_level, half_dtype, steps, op_lists)
+    job, name = _load(job)
     report = DoctorReport(name, opt_level, str(half_dtype).replace("torch.", ""), steps, HEALTHY, "", {})
     timer = _Timer(report.seconds)
     with timer("train"):
@@ -203,22 +204,19 @@ def _write(report, base, out):
 
 
 def _fix_from(row):
-    from .fix import Fix
     return Fix(**row)
 
 
 class _Timer:
+    """``with timer("name"):`` adds the body's wall time in seconds to ``seconds["name"]``."""
+
     def __init__(self, seconds):
         self.seconds = seconds
 
+    @contextlib.contextmanager
     def __call__(self, name):
-        timer = self
-
-        class _Span:
-            def __enter__(self):
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.seconds[name] = round(time.perf_counter() - self.start, 3)
-
-        return _Span()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(time.perf_counter() - start, 3)

@@ -136,3 +136,17 @@ def test_forward_overflow_is_named_before_warm_up_and_grads():
     overflow = {"first_bad_module": origin, "params": [{"param": "w"}]}
     kind, text = skip_cause(torch.tensor(1.0), overflow, True, 65536.0, lambda: [])
     assert kind == "forward" and "blocks.1.attn" in text and "torch.bmm" in text
+
+
+def test_the_written_list_extends_a_custom_input_list_by_a_relative_path(tmp_path):
+    (tmp_path / "lists").mkdir()
+    (tmp_path / "out").mkdir()
+    mine = tmp_path / "lists" / "mine.yaml"
+    mine.write_text("extends: apex\nadd:\n  float:\n    torch: [tanh]\n")
+    out = tmp_path / "out" / "fixed.yaml"
+    report = amp_patch.doctor(jobs.reduction_job(), steps=STEPS, op_lists=str(mine), out=str(out))
+    assert report.status == "fixed"
+    assert 'extends: "../lists/mine.yaml"' in out.read_text()
+    table = amp_patch.load_op_lists(str(out))
+    assert table.category_of("torch", "tanh") == "float"  # the input list's own change is kept
+    assert [s.glob for s in table.scopes] == ["pool"]

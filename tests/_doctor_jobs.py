@@ -132,3 +132,19 @@ class ExpFeatures(nn.Module):
 def cast_job():
     return {"model_fn": ExpFeatures, "optimizer_fn": _sgd, "data_fn": lambda_free_mlp_data, "loss_fn": _ce,
             "batch_size": 16, "name": "cast"}
+
+
+class LogOfZero(nn.Module):
+    """log of a ReLU output: -inf wherever the unit is off, in any precision."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(DIM, CLASSES)
+
+    def forward(self, x):
+        return torch.log(torch.relu(self.lin(x)))
+
+
+def log_zero_job():
+    return {"model_fn": LogOfZero, "optimizer_fn": _sgd, "data_fn": lambda_free_mlp_data, "loss_fn": _ce,
+            "batch_size": 16, "name": "log_zero"}

@@ -150,3 +150,10 @@ def test_the_written_list_extends_a_custom_input_list_by_a_relative_path(tmp_pat
     table = amp_patch.load_op_lists(str(out))
     assert table.category_of("torch", "tanh") == "float"  # the input list's own change is kept
     assert [s.glob for s in table.scopes] == ["pool"]
+
+
+def test_log_of_zero_is_not_fixable_and_the_op_is_named():
+    report = amp_patch.doctor(jobs.log_zero_job(), steps=4)
+    assert report.status == "not_fixable" and report.exit_code == 1
+    assert "torch.log" in report.summary and "in float32 too" in report.summary
+    assert report.culprits[0]["op"] == "torch.log"

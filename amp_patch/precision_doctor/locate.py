@@ -211,4 +211,7 @@ def replay(job, state, batch, *, half_dtype, op_lists, precise=False):
             frontend.deinitialize()
     bad_inputs = [i for i, t in enumerate(inputs) if torch.is_tensor(t) and not _all_finite([t])]
     culprits = watch.culprits or watch.grad_culprits[:1]
+    if precise:  # no op list ran: the category and list line say nothing here
+        culprits = [dataclasses.replace(c, category="-", source="float32 replay without amp_patch")
+                    for c in culprits]
     return Replay(float(loss.detach().float()), grads_finite, culprits, bad_inputs)

@@ -157,3 +157,16 @@ def test_log_of_zero_is_not_fixable_and_the_op_is_named():
     assert report.status == "not_fixable" and report.exit_code == 1
     assert "torch.log" in report.summary and "in float32 too" in report.summary
     assert report.culprits[0]["op"] == "torch.log"
+
+
+def test_a_failure_that_replays_clean_at_loss_scale_one_is_blamed_on_the_loss_scale():
+    from amp_patch.precision_doctor import api
+    from amp_patch.precision_doctor.training import Failure, Run
+    from amp_patch.experiment.models import as_job
+    job = as_job(jobs.mlp_job())
+    x, y = jobs.lambda_free_mlp_data()
+    run = Run("O1", failure=Failure(5, "grads", "non-finite gradients", job.model_fn().state_dict(),
+                                    [x[:16], y[:16]]))
+    report = api.DoctorReport("mlp", "O1", "float16", STEPS, api.HEALTHY, "", {})
+    assert api._diagnose(report, job, run, torch.float16, "apex") is None
+    assert report.status == "not_fixable" and "came from the loss scale" in report.summary

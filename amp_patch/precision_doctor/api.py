@@ -147,6 +147,12 @@ def _diagnose(report, job, run, half_dtype, base):
                 f"half precision: {where}. Check the data, or guard the op (e.g. clamp before log).")
         return None
     fixes, found, first, last = search(job, failure, half_dtype=half_dtype, base=base, log=report.log)
+    if first is not None and first.clean:
+        _finish(report, NOT_FIXABLE, f"not fixable by op lists: the batch of step {failure.step} runs cleanly under "
+                "O1 at loss scale 1, so its overflow came from the loss scale (gradients times the scale beyond the "
+                "half range), not from an op's range; the dynamic scaler backs off from it. If skips persist, "
+                "lower max_loss_scale or raise growth_interval.")
+        return None
     report.culprits = [c.as_dict() for c in found]
     report.fixes = [dataclasses.asdict(f) for f in fixes]
     if last is None or not last.clean:

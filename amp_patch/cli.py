@@ -100,7 +100,8 @@ def _run_validate(args):
         if args.quiet:
             continue
         skipped = f"; {len(table.skipped)} skipped on torch {_torch_version()}" if table.skipped else ""
-        print(f"{arg}: OK, {len(table)} entries ({_counts_text(table)}){skipped}")
+        scopes = f"; {len(table.scopes)} scope(s): {', '.join(s.glob for s in table.scopes)}" if table.scopes else ""
+        print(f"{arg}: OK, {len(table)} entries ({_counts_text(table)}){skipped}{scopes}")
         for item in table.skipped:
             entry = item.entry
             print(f"  skipped {entry.category} {entry.qualname} ({entry.path}:{entry.line}): {item.reason}")

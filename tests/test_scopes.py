@@ -219,7 +219,9 @@ def test_a_glob_matching_no_module_warns_at_initialize_and_fails_validate_job(tm
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("scope_jobs", None)
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert f"{good}: OK, " in captured.out and "; 1 scope(s): layers.*.attn" in captured.out
+    err = captured.err
     assert f"{typo}:3: scope 'layers.*.atn' matches no module" in err
     assert os.fspath(good) not in err
 

@@ -148,3 +148,36 @@ class LogOfZero(nn.Module):
 def log_zero_job():
     return {"model_fn": LogOfZero, "optimizer_fn": _sgd, "data_fn": lambda_free_mlp_data, "loss_fn": _ce,
             "batch_size": 16, "name": "log_zero"}
+
+
+class Layered(nn.Module):
+    """Three attention layers; the ``hot`` ones see inputs whose q·kᵀ leaves float16's range."""
+
+    hot = (0, 1, 2)
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList([Attention() for _ in range(3)])
+        self.head = nn.Linear(DIM, CLASSES)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            gain = 1000.0 if i in self.hot else 1.0
+            h = h + block(h * gain) / gain
+        return self.head(h.mean(dim=1))
+
+
+class LayeredOneHot(Layered):
+    hot = (1,)
+
+
+def layered_job():
+    return {"model_fn": Layered, "optimizer_fn": _sgd, "data_fn": attention_data, "loss_fn": _ce,
+            "batch_size": 16, "name": "layered"}
+
+
+def layered_one_hot_job():
+    return {"model_fn": LayeredOneHot, "optimizer_fn": _sgd, "data_fn": attention_data, "loss_fn": _ce,
+            "batch_size": 16, "name": "layered_one_hot"}

@@ -170,3 +170,11 @@ def test_a_failure_that_replays_clean_at_loss_scale_one_is_blamed_on_the_loss_sc
     report = api.DoctorReport("mlp", "O1", "float16", STEPS, api.HEALTHY, "", {})
     assert api._diagnose(report, job, run, torch.float16, "apex") is None
     assert report.status == "not_fixable" and "came from the loss scale" in report.summary
+
+
+def test_an_op_overflowing_in_every_layer_gets_one_layer_glob_and_in_one_layer_that_layer():
+    every = amp_patch.doctor(jobs.layered_job(), steps=4)
+    assert every.status == "fixed" and every.fixes == [{"target": "torch", "name": "bmm", "scope": "blocks.*"}]
+    one = amp_patch.doctor(jobs.layered_one_hot_job(), steps=4)
+    assert one.status == "fixed" and one.fixes == [{"target": "torch", "name": "bmm", "scope": "blocks.1"}]
+    assert any("narrowed" in line for line in one.log)

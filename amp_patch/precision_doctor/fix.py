@@ -40,7 +40,7 @@ def op_list_spec(base, fixes):
 def search(job, failure, *, half_dtype, base, log):
     """Add float32 candidates (innermost scope first, then global) until the failing batch replays clean,
     then drop every candidate the replay does not need. Returns (fixes, culprits met, first replay, last replay)."""
-    fixes, tried, found = [], set(), []
+    fixes, tried, found, narrow = [], set(), [], {}
     first = last = _replay(job, failure, half_dtype, base, fixes)
     for _ in range(_MAX_ROUNDS):
         if last is None or last.clean or not last.culprits:
@@ -57,21 +57,31 @@ def search(job, failure, *, half_dtype, base, log):
             log.append(f"  {fix.describe()} does not load as an op-list entry; skipped")
             continue
         fixes.append(fix)
+        narrow[fix] = Fix(culprit.target, culprit.name, culprit.module or None)
         last = trial
     if last is None or not last.clean:
         return fixes, found, first, last
-    return _minimize(job, failure, half_dtype, base, fixes, log), found, first, last
+    return _minimize(job, failure, half_dtype, base, fixes, log, narrow), found, first, last
+
+
+def _generalize(path):
+    """``blocks.3.attn`` -> ``blocks.*.attn``: the same module in every layer of a ModuleList/Sequential."""
+    return ".".join("*" if part.isdigit() else part for part in path.split("."))
 
 
 def _next_candidate(culprit, tried):
-    scoped = Fix(culprit.target, culprit.name, culprit.module or None)
-    if scoped not in tried:
-        return scoped
-    unscoped = Fix(culprit.target, culprit.name)
-    return unscoped if unscoped not in tried else None
+    """The culprit's innermost module in every layer, then that module alone, then everywhere."""
+    path = culprit.module or None
+    candidates = [Fix(culprit.target, culprit.name, _generalize(path)), Fix(culprit.target, culprit.name, path)] \
+        if path else []
+    for fix in candidates + [Fix(culprit.target, culprit.name)]:
+        if fix not in tried:
+            return fix
+    return None
 
 
-def _minimize(job, failure, half_dtype, base, fixes, log):
+def _minimize(job, failure, half_dtype, base, fixes, log, narrow):
+    """Drop each change the replay does not need; narrow a layer glob to the modules that need it."""
     kept = list(fixes)
     for fix in reversed(fixes):
         trial = [f for f in kept if f != fix]
@@ -79,6 +89,14 @@ def _minimize(job, failure, half_dtype, base, fixes, log):
         if result is not None and result.clean:
             log.append(f"  not needed: {fix.describe()}")
             kept = trial
+            continue
+        exact = narrow.get(fix)
+        if exact is not None and exact != fix and exact not in kept:
+            trial = [exact if f == fix else f for f in kept]
+            result = _replay(job, failure, half_dtype, base, trial)
+            if result is not None and result.clean:
+                log.append(f"  narrowed: {fix.describe()} -> {exact.describe()}")
+                kept = trial
     return kept
 
 

@@ -16,7 +16,8 @@ import _doctor_jobs as jobs  # noqa: E402
 import amp_patch  # noqa: E402
 from amp_patch.precision_doctor.training import train  # noqa: E402
 
-JOBS = {"attention": jobs.attention_job, "reduction": jobs.reduction_job, "nan_data": jobs.nan_data_job,
+JOBS = {"attention": jobs.attention_job, "layered": jobs.layered_job, "reduction": jobs.reduction_job,
+        "cast": jobs.cast_job, "nan_data": jobs.nan_data_job, "log_zero": jobs.log_zero_job,
         "mlp": jobs.mlp_job}
 
 

@@ -4,6 +4,8 @@ Importing this package does nothing but define functions: no YAML is read, no
 torch attribute is patched and no device is probed until ``initialize`` (or an
 ``autocast()`` region) asks for it.
 """
+import torch
+
 from .errors import (AmpPatchError, BannedOpError, CastError, ConfigError, NotInitializedError, OpListError,
                      PatchError, UsageError)
 from .oplist import OpEntry, OpTable, load_op_lists, shipped_names
@@ -15,6 +17,16 @@ from .frontend import (clear_cache, deinitialize, history, initialize, last_over
                        load_state_dict, loss_scale, master_params, state_dict)
 from .scaling import scale_loss
 
+
+def doctor(job, *, opt_level="O1", half_dtype=torch.float16, steps=40, op_lists=None, out=None):
+    """Find the op behind persistent overflow / NaN under O1 and the op-list change that fixes it.
+
+    See :func:`amp_patch.precision_doctor.doctor` (imported on first call: importing amp_patch stays cheap).
+    """
+    from .precision_doctor import doctor as run
+    return run(job, opt_level=opt_level, half_dtype=half_dtype, steps=steps, op_lists=op_lists, out=out)
+
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -23,5 +35,5 @@ __all__ = [
     "OpEntry", "OpTable", "load_op_lists", "shipped_names", "autocast", "disable_casts", "float_function",
     "half_function", "promote_function", "register_float_function", "register_half_function",
     "register_promote_function", "initialize", "deinitialize", "clear_cache", "scale_loss", "master_params",
-    "state_dict", "load_state_dict", "last_step_skipped", "loss_scale", "trace", "history", "last_overflow", "__version__",
+    "state_dict", "load_state_dict", "last_step_skipped", "loss_scale", "trace", "history", "last_overflow", "doctor", "__version__",
 ]

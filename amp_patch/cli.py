@@ -33,6 +33,7 @@ HOOKS = {
     "experiment": "amp_patch.experiment",  # amp-patch experiment: fp32 vs O1/O2/O3 vs native autocast
     "run": "amp_patch.legacy",             # amp-patch run train.py: run an Apex script unchanged
     "trace": "amp_patch.trace_cli",        # amp-patch trace: which ops ran in which dtype
+    "doctor": "amp_patch.precision_doctor",         # amp-patch doctor: the op behind overflow, and its op-list fix
 }
 
 
@@ -56,6 +57,9 @@ def _add_validate(subparsers):
     parser.add_argument("specs", nargs="+", metavar="FILE_OR_NAME",
                         help="a YAML file, or a shipped list name (see 'amp-patch lists')")
     parser.add_argument("-q", "--quiet", action="store_true", help="print errors only")
+    parser.add_argument("--job", metavar="MODULE:FUNCTION", default=None,
+                        help="also check the lists' scopes: globs against this job's model (the experiment's job "
+                             "convention); a glob matching no module is an error")
     parser.set_defaults(func=_run_validate)
     return parser
 
@@ -76,6 +80,9 @@ def _run_validate(args):
     from .errors import AmpPatchError, OpListError
     from .oplist import load_op_lists
     failed = 0
+    model = _job_model(args.job) if args.job else None
+    if model is False:
+        return 1
     for arg in args.specs:
         try:
             table = load_op_lists(_spec_for(arg))
@@ -87,16 +94,41 @@ def _run_validate(args):
             failed += 1
             print(f"{arg}: {exc}", file=sys.stderr)
             continue
+        if model is not None and not _scopes_match(arg, table, model):
+            failed += 1
+            continue
         if args.quiet:
             continue
         skipped = f"; {len(table.skipped)} skipped on torch {_torch_version()}" if table.skipped else ""
-        print(f"{arg}: OK, {len(table)} entries ({_counts_text(table)}){skipped}")
+        scopes = f"; {len(table.scopes)} scope(s): {', '.join(s.glob for s in table.scopes)}" if table.scopes else ""
+        print(f"{arg}: OK, {len(table)} entries ({_counts_text(table)}){skipped}{scopes}")
         for item in table.skipped:
             entry = item.entry
             print(f"  skipped {entry.category} {entry.qualname} ({entry.path}:{entry.line}): {item.reason}")
     if failed:
         print(f"amp-patch validate: {failed} of {len(args.specs)} op list(s) invalid", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _job_model(spec):
+    """The model of ``--job`` (False, reported, when the job cannot be loaded)."""
+    from .errors import AmpPatchError
+    from .experiment.models import load_job
+    try:
+        return load_job(spec).model_fn()
+    except AmpPatchError as exc:
+        print(f"amp-patch validate: {exc}", file=sys.stderr)
+        return False
+
+
+def _scopes_match(arg, table, model):
+    """Report each scopes: glob that matches no module of ``model``; True when every glob matches one."""
+    from .scopes import unmatched_globs
+    unmatched = unmatched_globs(table.scopes, [model])
+    for scope in unmatched:
+        print(f"{scope.path}:{scope.line}: scope {scope.glob!r} matches no module of the job's model "
+              f"({type(model).__name__}); module paths are as model.named_modules() spells them", file=sys.stderr)
+    return not unmatched
 
 
 def _torch_version():

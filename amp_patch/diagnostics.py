@@ -59,27 +59,7 @@ class OverflowDiagnoser:
         return None
 
     def bad_grads(self, masters):
-        """Params with non-finite grads, each once (a tied/shared param lists its other names under "tied")."""
-        names = {}
-        for model in self.models:
-            for name, param in model.named_parameters(remove_duplicate=False):
-                names.setdefault(id(param), (param, []))[1].append(name)
-        rows = []
-        for pid, (param, param_names) in names.items():
-            grad = masters[pid].grad if pid in masters else None
-            grad = grad if grad is not None else param.grad
-            if grad is None:
-                continue
-            finite = torch.isfinite(grad)
-            bad = int((~finite).sum())
-            if bad:
-                values = grad[finite].abs()
-                row = {"param": param_names[0], "nonfinite": bad,
-                       "max_finite": float(values.max()) if values.numel() else None}
-                if len(param_names) > 1:
-                    row["tied"] = param_names[1:]
-                rows.append(row)
-        return rows
+        return bad_grads(self.models, masters)
 
     def record(self, loss_id, scale, masters):
         record = {"loss_id": loss_id, "loss_scale": scale, "first_bad_module": self.first_bad_module(),
@@ -100,6 +80,50 @@ class OverflowDiagnoser:
             self.handles.pop().remove()
 
 
+def bad_grads(models, masters):
+    """Rows naming the parameters of ``models`` whose gradient (the master's under O2) holds inf/NaN, each param
+    once (a tied/shared param lists its other names under "tied")."""
+    names = {}
+    for model in models:
+        for name, param in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), (param, []))[1].append(name)
+    rows = []
+    for pid, (param, param_names) in names.items():
+        grad = masters[pid].grad if pid in masters else None
+        grad = grad if grad is not None else param.grad
+        if grad is None:
+            continue
+        finite = torch.isfinite(grad)
+        bad = int((~finite).sum())
+        if bad:
+            values = grad[finite].abs()
+            row = {"param": param_names[0], "nonfinite": bad,
+                   "max_finite": float(values.max()) if values.numel() else None}
+            if len(param_names) > 1:
+                row["tied"] = param_names[1:]
+            rows.append(row)
+    return rows
+
+
+def skip_cause(loss, overflow, warming_up, scale, grads):
+    """Why a step was skipped: ``(kind, text)``, kind one of loss, forward, warmup, grads (first that applies).
+
+    ``grads`` is a callable returning :func:`bad_grads` rows (only called when nothing earlier explains it).
+    """
+    if loss is not None and not bool(torch.isfinite(loss.detach()).all()):
+        return "loss", "non-finite loss (inf/NaN in the forward pass, not a loss-scale problem)"
+    origin = overflow and overflow.get("first_bad_module")
+    if origin:
+        return "forward", (f"forward overflow at module {origin['module']} (last op {origin['op']}, "
+                           f"{origin['category']})")
+    if warming_up:
+        return "warmup", (f"scaler warm-up: loss scale {scale} was too high for the gradients (no step has "
+                          "succeeded yet; the dynamic scaler backs off)")
+    rows = overflow["params"] if overflow else grads()
+    names = ", ".join(r["param"] for r in rows[:8]) + (", ..." if len(rows) > 8 else "")
+    return "grads", f"non-finite gradients in params {names}" if rows else "non-finite gradients"
+
+
 class StepHistory:
     """Per-step records in a ring buffer, plus a once-per-scaler warning when a scale collapses."""
 
@@ -108,11 +132,19 @@ class StepHistory:
         self.collapse_steps = collapse_steps
         self._at_floor = collections.Counter()
         self._warned = set()
+        self._succeeded = set()  # loss ids with at least one unskipped step (warm-up is over)
         self.step = 0
 
-    def add(self, loss_id, before, after, skipped, overflow, scaler):
+    def warming_up(self, loss_id, scaler):
+        """True while a dynamic scaler has not completed one step for ``loss_id`` (its skips are warm-up)."""
+        return scaler.dynamic and loss_id not in self._succeeded and scaler.scale > 1.0
+
+    def add(self, loss_id, before, after, skipped, overflow, scaler, cause=(None, None)):
+        if not skipped:
+            self._succeeded.add(loss_id)
         self.records.append({"step": self.step, "loss_id": loss_id, "scale_before": before, "scale_after": after,
-                             "skipped": skipped, "overflow": overflow})
+                             "skipped": skipped, "overflow": overflow, "cause_kind": cause[0],
+                             "cause": cause[1]})
         self.step += 1
         self._watch(loss_id, after, scaler)
 

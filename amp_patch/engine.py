@@ -13,6 +13,7 @@ import torch
 from ._resolve import resolve_target
 from .casting import CastCache, DisabledThreads, make_to_half, make_wrapper
 from .patcher import Patcher
+from .scopes import ScopeRuntime, passthrough, unmatched_globs
 
 log = logging.getLogger("amp_patch")
 
@@ -31,6 +32,7 @@ class CastingEngine:
         self.patcher = Patcher()
         self.tracer = None
         self._paused = set()  # threads inside an optimizer step
+        self.scopes = ScopeRuntime(table.scopes) if getattr(table, "scopes", ()) else None
 
     @property
     def installed(self):
@@ -45,25 +47,57 @@ class CastingEngine:
         self.tracer = tracer
         registered = {(id(reg.owner), reg.entry.name) for reg in self.registrations}
         owners = {}
+        scoped = self._scoped_entries()
         try:
-            for entry in self.table.entries:
+            for entry in self.table.entries + tuple(e for k, e in scoped.items() if k not in self.table):
                 owner = owners.get(entry.target) or owners.setdefault(entry.target, resolve_target(entry.target))
                 if (id(owner), entry.name) not in registered:
-                    self._install_one(owner, entry)
+                    self._install_one(owner, entry, (entry.target, entry.name) in scoped)
             for reg in self.registrations:
                 self._install_one(reg.owner, reg.entry)
         except BaseException:
             self.patcher.restore_all()
             raise
+        if self.scopes is not None:
+            self.scopes.refresh()
         log.debug("amp_patch installed %d wrappers (%s)", len(self.patcher), self.half_dtype)
 
-    def _install_one(self, owner, entry):
+    def _scoped_entries(self):
+        """(target, name) -> a representative entry, for every op some scope names (to install a site for it)."""
+        if self.scopes is None:
+            return {}
+        return {(e.target, e.name): e for scope in self.scopes.scopes for e in scope.entries}
+
+    def _install_one(self, owner, entry, scoped=False):
         method = isinstance(owner, type)
         if self.tracer is None:
-            make = lambda original: make_wrapper(original, entry, self, method=method)  # noqa: E731
+            wrap = lambda original, e: make_wrapper(original, e, self, method=method)  # noqa: E731
         else:
-            make = lambda original: self.tracer.wrap(original, entry, self, method=method)  # noqa: E731
-        self.patcher.install(owner, entry.name, make)
+            wrap = lambda original, e: self.tracer.wrap(original, e, self, method=method)  # noqa: E731
+        if not scoped:
+            self.patcher.install(owner, entry.name, lambda original: wrap(original, entry))
+            return
+        self.patcher.install(owner, entry.name, lambda original: self._scoped_wrapper(original, entry, wrap))
+
+    def _scoped_wrapper(self, original, entry, wrap):
+        """The dispatcher of an op some scope names: one wrapper per scope naming it, the global one otherwise."""
+        key = (entry.target, entry.name)
+        for scope in self.scopes.scopes:
+            for scoped_entry in scope.entries:
+                if (scoped_entry.target, scoped_entry.name) == key:
+                    self.scopes.set_wrapper(scope, scoped_entry, wrap(original, scoped_entry))
+        base = wrap(original, entry) if entry.scope is None else passthrough(original)
+        return self.scopes.dispatcher(key, base, original)
+
+    def attach_scopes(self, models):
+        """Hook the modules the scopes' globs match (a session calls this with its models)."""
+        if self.scopes is not None:
+            self.scopes.detach()
+            self.scopes.attach(models)
+            for scope in unmatched_globs(self.scopes.scopes, models):
+                log.warning("amp_patch: scope %r (%s:%s) matches no module of the model(s); it has no effect. "
+                            "Module paths are as model.named_modules() spells them (check with amp-patch "
+                            "validate --job MODULE:FUNCTION)", scope.glob, scope.path, scope.line)
 
     def retrace(self, tracer):
         """Reinstall every wrapper, recording into ``tracer`` (or, with None, the plain ones)."""
@@ -71,6 +105,8 @@ class CastingEngine:
         self.install(tracer)
 
     def uninstall(self):
+        if self.scopes is not None:
+            self.scopes.detach()
         self.patcher.restore_all()
         self.cache.clear()
 

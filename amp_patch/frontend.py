@@ -62,6 +62,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                                         backoff_factor, growth_interval, hysteresis)
         _install_casting(session, op_lists, allow_banned)
         _reach_early_bound(session, model_list)
+        _attach_scopes(session, model_list)
         _guard_step_pause(session, model_list)
         _set_up_diagnostics(session, model_list, diagnose_overflow, history_size)
     except BaseException:
@@ -242,6 +243,12 @@ def _reach_early_bound(session, models):
     session.unreachable = early_bound.scan_globals(models, session.engine)
 
 
+def _attach_scopes(session, models):
+    """Module-scoped op lists (the op list's ``scopes:``) apply inside the models' matching modules."""
+    if session.engine is not None:
+        session.engine.attach_scopes(models)
+
+
 def _guard_step_pause(session, models):
     """O1 pauses casting inside optimizer.step() (its pre-hook); post-hooks do not run when step() raises, so the
     step of each optimizer class in the session ends the pause in a ``finally`` (a class-level patch, undone by
@@ -272,6 +279,7 @@ def _set_up_diagnostics(session, models, diagnose_overflow, history_size):
     if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
         raise ConfigError(f"history_size={history_size!r}; pass a positive number of steps to keep")
     session.history = StepHistory(history_size)
+    session.models = models  # (a skipped step's cause names the params with non-finite grads)
     if not diagnose_overflow:
         return
     tracer = None

@@ -12,14 +12,14 @@ from collections.abc import Mapping
 
 import torch
 
-from . import _yaml
+from . import _yaml, scopes as _scopes
 from ._resolve import resolve_name, resolve_target
 from .errors import ConfigError, OpListError
 
 log = logging.getLogger("amp_patch")
 
 CATEGORIES = ("half", "float", "promote", "sequence_promote", "banned")
-_TOP_KEYS = ("description", "schema_version", "extends", "add", "remove") + CATEGORIES
+_TOP_KEYS = ("description", "schema_version", "extends", "add", "remove", "scopes") + CATEGORIES
 _ENTRY_KEYS = ("name", "optional", "min_torch", "max_torch", "message", "strict", "note")
 DEFAULT_BANNED_MESSAGE = ("{qualname} is banned under amp_patch: it is unsafe in {dtype}. "
                           "Remove it from the op list's 'banned' category, or pass allow_banned=True to run it in float32.")
@@ -36,6 +36,7 @@ class OpEntry:
     line: int
     message: str = None
     strict: bool = False  # banned only: raise on any input, not only when an argument is half
+    scope: str = None  # the module-path glob of a ``scopes:`` entry; None for the global list
 
     @property
     def qualname(self):
@@ -53,10 +54,11 @@ class SkippedEntry:
 class OpTable:
     """An immutable, ordered set of entries keyed by ``(target, name)``."""
 
-    def __init__(self, entries=(), skipped=(), sources=()):
+    def __init__(self, entries=(), skipped=(), sources=(), scopes=()):
         self._entries = {(e.target, e.name): e for e in entries}
         self.skipped = tuple(skipped)
         self.sources = tuple(sources)
+        self.scopes = tuple(scopes)  # scopes.Scope, from the ``scopes:`` sections (see amp_patch.scopes)
 
     @property
     def entries(self):
@@ -206,7 +208,15 @@ class _Document:
             self._apply_remove(entries, doc["remove"], doc.key_lines["remove"])
         if "add" in doc:
             self._apply_add(entries, doc["add"], doc.key_lines["add"])
-        return OpTable(entries.values(), skipped + self.skipped, sources)
+        scopes = self._scopes(None if has_categories else base)
+        return OpTable(entries.values(), skipped + self.skipped, sources, scopes)
+
+    def _scopes(self, base):
+        inherited = base.scopes if base is not None else ()
+        if "scopes" not in self.doc:
+            return inherited
+        return _scopes.merge_scopes(inherited, _scopes.parse_scopes(self, self.doc["scopes"],
+                                                                    self.doc.key_lines["scopes"]))
 
     def _check_top_keys(self):
         for key, line in self.doc.key_lines.items():

@@ -9,6 +9,7 @@ threads see them while the region is open).
 import contextlib
 import functools
 import threading
+import warnings
 
 import torch
 
@@ -65,6 +66,10 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
 
         engine = CastingEngine(_table_for(self.op_lists), half_dtype=self.half_dtype,
                                allow_banned=self.allow_banned, registrations=REGISTRY.take())
+        if engine.scopes is not None:  # (warnings shows it once per call site)
+            warnings.warn("amp_patch.autocast(): the op list's scopes: section has no effect in an autocast() "
+                          "region (it knows no model); pass the op list to amp_patch.initialize(model, ...) to "
+                          "use scopes", UserWarning, stacklevel=3)
         with _lock:
             engine.install()
             _state.activate(None, engine)

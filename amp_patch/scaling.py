@@ -5,6 +5,7 @@ import warnings
 import torch
 
 from . import _state, distributed
+from .diagnostics import bad_grads, skip_cause
 from .errors import ConfigError, UsageError
 
 
@@ -79,7 +80,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
         probe.remove()
         _note_grads_written(session, states, others, loss_id)
     probe.check()
-    _end(session, scaler, loss_id, states, delay_unscale)
+    _end(session, scaler, loss_id, states, delay_unscale, loss)
 
 
 def _begin(session, loss, optimizers, loss_id, model, delay_unscale):
@@ -110,14 +111,14 @@ def _mark_open(states, is_open):
         state.in_scale_loss = is_open
 
 
-def _end(session, scaler, loss_id, states, delay_unscale):
+def _end(session, scaler, loss_id, states, delay_unscale, loss):
     """Unscale (unless delayed), agree on overflow across ranks, update the scaler; drop cached casts."""
     with _quiet(session):  # amp_patch's own bookkeeping ops must not run through the casting wrappers
         found_inf = False
         for state in states:
             found_inf |= state.after_backward(scaler, delay_unscale)
         if not delay_unscale:
-            _finish_step(session, scaler, loss_id, states, distributed.agree_overflow(found_inf))
+            _finish_step(session, scaler, loss_id, states, distributed.agree_overflow(found_inf), loss)
     session.clear_cache()
 
 
@@ -176,10 +177,11 @@ def _warn_if_masters_diverged(states):
                       "build identical weights on every rank.", RuntimeWarning, stacklevel=4)
 
 
-def _finish_step(session, scaler, loss_id, states, found_inf):
+def _finish_step(session, scaler, loss_id, states, found_inf, loss=None):
     if states and all(state.skip_next for state in states):
         return  # a later micro-batch of a step already doomed by an overflow: the step counts once
     before = scaler.scale
+    warming_up = session.history is not None and session.history.warming_up(loss_id, scaler)
     skip = scaler.update(found_inf)
     if skip:
         for state in states:
@@ -191,4 +193,8 @@ def _finish_step(session, scaler, loss_id, states, found_inf):
         else:
             session.diagnoser.reset()
     if session.history is not None:
-        session.history.add(loss_id, before, scaler.scale, skip, overflow, scaler)
+        cause = (None, None)
+        if skip:
+            cause = skip_cause(loss, overflow, warming_up, before,
+                               lambda: bad_grads(session.models, session.masters()))
+        session.history.add(loss_id, before, scaler.scale, skip, overflow, scaler, cause)

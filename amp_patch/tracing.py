@@ -17,7 +17,7 @@ from . import _state
 from .casting import HALF_DTYPES, iter_tensors, make_to_half, make_wrapper
 from .errors import UsageError
 
-_FIELDS = ("qualname", "category", "source", "module", "calls", "input_dtypes", "output_dtypes", "casts",
+_FIELDS = ("qualname", "category", "source", "scope", "module", "calls", "input_dtypes", "output_dtypes", "casts",
            "cache_hits", "cache_misses")
 
 
@@ -33,7 +33,7 @@ class Row:
     def as_dict(self):
         e = self.entry
         return {"qualname": e.qualname, "category": e.category, "source": f"{e.path}:{e.line}",
-                "module": self.module, "calls": self.calls, "input_dtypes": _fmt(self.input_dtypes),
+                "scope": e.scope or "(global)", "module": self.module, "calls": self.calls, "input_dtypes": _fmt(self.input_dtypes),
                 "output_dtypes": _fmt(self.output_dtypes), "casts": self.casts, "cache_hits": self.cache_hits,
                 "cache_misses": self.cache_misses}
 
@@ -82,9 +82,10 @@ class Tracer:
 
     def _row(self, entry):
         module = self.module_stack[-1] if self.module_stack else None
-        row = self.rows.get((entry.qualname, module))
+        key = (entry.qualname, module, entry.scope)  # scope: which scopes: glob decided the call (None: global)
+        row = self.rows.get(key)
         if row is None:
-            row = self.rows[(entry.qualname, module)] = Row(entry, module)
+            row = self.rows[key] = Row(entry, module)
         return row
 
     def wrap(self, original, entry, engine, *, method=False):

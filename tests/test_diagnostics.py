@@ -88,7 +88,9 @@ def test_history_records_steps_in_a_bounded_ring():
     records = amp_patch.history()
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[0] == {"step": 1, "loss_id": 0, "scale_before": 1024.0, "scale_after": 512.0,
-                          "skipped": True, "overflow": None}
+                          "skipped": True, "overflow": None, "cause_kind": "loss",
+                          "cause": "non-finite loss (inf/NaN in the forward pass, not a loss-scale problem)"}
+    assert records[1]["cause"] is records[1]["cause_kind"] is None
     assert [r["skipped"] for r in records] == [True, False, False]
 
 

@@ -300,3 +300,52 @@ def test_import_amp_patch_does_not_import_lightning_and_a_missing_lightning_is_n
     out = run_killing_group([sys.executable, "-c", code], cwd=tmp_path, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "pip install 'amp_patch[lightning]'" in out.stdout
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+@pytest.mark.parametrize("level", ["O2"])  # O1 passes too (30 s more); O2 adds the masters' broadcast
+def test_ddp_two_processes_stay_identical_with_an_inf_on_one_rank(tmp_path, level):
+    """Trainer(strategy="ddp", devices=2) on CPU (gloo): different initial weights per rank, 2 micro-batches per
+    step (the first in no_sync), an inf on rank 1 only in batch 2: both ranks skip step 1, back off the same
+    way and end bit-identical (fp32 masters and half model)."""
+    script = os.path.join(ROOT, "tests", "_lightning_ddp_script.py")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = run_killing_group([sys.executable, script, str(tmp_path), level], cwd=tmp_path, env=env, timeout=150)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert not torch.equal(ranks[0]["init"]["net.0.weight"], ranks[1]["init"]["net.0.weight"])
+    for part in ("start", "end", "half"):
+        for key, value in ranks[0][part].items():
+            assert torch.equal(value, ranks[1][part][key]), (part, key)
+    assert ranks[0]["end"]["net.0.weight"].dtype == torch.float32
+    assert ranks[0]["half"]["net.0.weight"].dtype == (torch.float16 if level == "O2" else torch.float32)
+    assert ranks[0]["records"] == ranks[1]["records"]
+    steps = [(skipped, scale) for batch, skipped, scale in ranks[0]["records"] if batch % 2 == 1]
+    assert steps == [(False, 2.0 ** 12), (True, 2.0 ** 11), (False, 2.0 ** 11), (False, 2.0 ** 11)]
+    assert not torch.equal(ranks[0]["end"]["net.0.weight"], ranks[0]["start"]["net.0.weight"])
+    for r in (0, 1):
+        assert (tmp_path / f"after_fit{r}.txt").read_text() == "F.linear unpatched: True\n"
+
+
+def test_accelerate_recipe_from_the_docs_runs_and_learns(tmp_path):
+    """The Accelerate block of docs/integrations.md, as written, with accelerate 1.15 (fresh process: the
+    Accelerator keeps process-wide state)."""
+    pytest.importorskip("accelerate")
+    text = open(os.path.join(ROOT, "docs", "integrations.md")).read()
+    code = text.split("## Hugging Face Accelerate", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert "accelerator.backward(scaled_loss)" in code and 'mixed_precision="no"' in code
+    prefix = ("import torch\nLINEAR = torch.nn.functional.linear\nDTYPES = set()\n"
+              "torch.nn.modules.module.register_module_forward_hook("
+              "lambda m, i, o: DTYPES.add(str(o.dtype)) if isinstance(o, torch.Tensor) else None)\n")
+    suffix = ("\nimport json\nprint(json.dumps({'first': losses[0], 'last': losses[-4:], 'dtypes': sorted(DTYPES), "
+              "'unpatched': torch.nn.functional.linear is LINEAR, 'param': str(model.module[0].weight.dtype) "
+              "if hasattr(model, 'module') else str(model[0].weight.dtype)}))\n")
+    script = tmp_path / "recipe.py"
+    script.write_text(prefix + code + suffix)
+    out = run_killing_group([sys.executable, str(script)], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT),
+                            timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = __import__("json").loads(out.stdout.strip().splitlines()[-1])
+    assert "torch.float16" in result["dtypes"]  # O2 ran the layers in half
+    assert result["unpatched"] and result["param"] == "torch.float32"  # deinitialize restored the model
+    assert sum(result["last"]) / 4 < 0.4 * result["first"]

@@ -349,3 +349,33 @@ def test_accelerate_recipe_from_the_docs_runs_and_learns(tmp_path):
     assert "torch.float16" in result["dtypes"]  # O2 ran the layers in half
     assert result["unpatched"] and result["param"] == "torch.float32"  # deinitialize restored the model
     assert sum(result["last"]) / 4 < 0.4 * result["first"]
+
+
+def test_fabric_two_optimizers_attached_at_different_scales():
+    """One backward before any optimizer is known, then two steps; growth_interval=1 doubles the scale at the
+    first step's check, so the second optimizer's grads (made at the old scale) must be brought to the new
+    one before they are unscaled: its update equals plain SGD's within fp16 rounding (2x off otherwise)."""
+
+    def run(plugin):
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=plugin)
+        torch.manual_seed(3)
+        model = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 1, bias=False), "b": torch.nn.Linear(8, 1, bias=False)})
+        opt_a = torch.optim.SGD(model["a"].parameters(), lr=0.1)
+        opt_b = torch.optim.SGD(model["b"].parameters(), lr=0.1)
+        before = model["b"].weight.detach().clone()
+        model, opt_a, opt_b = fabric.setup(model, opt_a, opt_b)
+        x, y = X[:8] * 1e-3, Y[:8] * 1e-3  # small grads: no overflow at the initial 2**16
+        x = x.to(torch.float16) if plugin is not None else x
+        loss = F.mse_loss(model.module["a"](x).float(), y) + F.mse_loss(model.module["b"](x).float(), y)
+        fabric.backward(loss)
+        opt_a.step()
+        opt_b.step()
+        after = list(plugin.main_params(opt_b.optimizer))[0] if plugin is not None else model.module["b"].weight
+        return after.detach() - before  # (the fp32 master: the fp16 weight cannot hold a 3e-5 update)
+
+    ref = run(None)
+    plugin = AmpPatchFabricPrecision("O2", max_loss_scale=2.0 ** 20, growth_interval=1)
+    amp_step = run(plugin)
+    assert amp_patch.loss_scale() == 2.0 ** 18  # 2**16, doubled after each of the two checks
+    plugin.teardown()
+    torch.testing.assert_close(amp_step, ref, rtol=1e-2, atol=1e-7)  # updates are ~3e-5

@@ -21,6 +21,7 @@ import torch
 try:
     from lightning_utilities import apply_to_collection
     from lightning.fabric.plugins.precision import Precision as _FabricPrecisionBase
+    from lightning.pytorch import LightningModule
     from lightning.pytorch.core.optimizer import LightningOptimizer
     from lightning.pytorch.plugins.precision import Precision as _TrainerPrecisionBase
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
@@ -86,6 +87,8 @@ class _AmpSession:
         self.unattached_scale = None  # scale of grads a backward left for optimizers not attached yet (Fabric)
 
     def start(self, module, owner):
+        """``initialize(module)``; the loss scale of an earlier fit with this plugin (or a state loaded before
+        setup) carries over."""
         if self.active:
             raise UsageError(f"{owner} was already set up with a model; one plugin drives one amp_patch session. "
                              "Put every model in one torch.nn.Module and set that up once (Fabric: "
@@ -149,6 +152,17 @@ class _AmpSession:
         amp_patch.deinitialize()
 
 
+def _trainer_strategy(module):
+    if isinstance(module, LightningModule):
+        try:
+            return module.trainer.strategy
+        except RuntimeError:  # not attached to a Trainer
+            pass
+    raise UsageError(f"AmpPatchPrecision is the lightning.Trainer plugin, but it was asked to set up a "
+                     f"{type(module).__name__} outside a Trainer (lightning.Fabric?); use "
+                     "Fabric(plugins=AmpPatchFabricPrecision(...)) with Fabric")
+
+
 def _refuse_lbfgs(optimizer):
     if isinstance(_raw(optimizer), torch.optim.LBFGS):
         raise UsageError("amp_patch plugins cannot drive LBFGS: it re-evaluates its closure inside step(), after "
@@ -171,8 +185,8 @@ class AmpPatchPrecision(_TrainerPrecisionBase):
 
     # -- setup (Strategy.setup order: convert_module, DDP wrap, configure_optimizers, connect) ------------------
     def convert_module(self, module):
-        strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
-        if strategy is not None and not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        strategy = _trainer_strategy(module)
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
             raise UsageError(f"AmpPatchPrecision works with the single-device and DDP strategies; got "
                              f"{type(strategy).__name__}. Use strategy='auto' or 'ddp' (or 'ddp_spawn'), or "
                              "Lightning's own precision= flag with this strategy")
@@ -258,8 +272,8 @@ class AmpPatchFabricPrecision(_FabricPrecisionBase):
 
     def optimizer_step(self, optimizer, **kwargs):
         _refuse_lbfgs(optimizer)
-        self._amp.attach([optimizer], unscale=True)
         closure = kwargs.pop("closure", None)
+        self._amp.attach([optimizer], unscale=closure is None)  # a closure's backward comes after attaching
         result = closure() if closure is not None else None  # before step(): see AmpPatchPrecision.optimizer_step
         out = optimizer.step(**kwargs)
         return result if closure is not None else out

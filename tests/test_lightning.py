@@ -231,9 +231,13 @@ def test_plugin_argument_and_strategy_errors():
         AmpPatchPrecision("O2", half_dtpye=torch.bfloat16)
     with pytest.raises(amp_patch.ConfigError, match="opt_level=2"):
         AmpPatchFabricPrecision(2)
-    fake = types.SimpleNamespace(_trainer=types.SimpleNamespace(strategy=object()))
+    module = Tiny()
+    module._trainer = types.SimpleNamespace(strategy=object())  # what LightningModule.trainer returns
     with pytest.raises(amp_patch.UsageError, match="single-device and DDP strategies; got object"):
-        AmpPatchPrecision().convert_module(fake)
+        AmpPatchPrecision().convert_module(module)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=AmpPatchPrecision())  # the Trainer plugin in Fabric
+    with pytest.raises(amp_patch.UsageError, match="Trainer plugin.*Sequential outside a Trainer.*AmpPatchFabric"):
+        fabric.setup(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     lbfgs = torch.optim.LBFGS([torch.nn.Parameter(torch.zeros(2))])
     with pytest.raises(amp_patch.UsageError, match="LBFGS"):
         AmpPatchPrecision().optimizer_step(lbfgs, None, lambda: 0.0)

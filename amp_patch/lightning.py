@@ -82,6 +82,7 @@ class _AmpSession:
         self.opt_level = opt_level
         self.kwargs = dict(kwargs)
         self.active = False
+        self.module = None
         self.optimizers = []  # raw torch optimizers attached to the session
         self.saved_state = None  # amp state loaded before setup, or kept over teardown
         self.unattached_scale = None  # scale of grads a backward left for optimizers not attached yet (Fabric)
@@ -94,7 +95,7 @@ class _AmpSession:
                              "Put every model in one torch.nn.Module and set that up once (Fabric: "
                              "fabric.setup(container, opt1, opt2)), or call precision.teardown() first")
         amp_patch.initialize(module, opt_level=self.opt_level, **self.kwargs)
-        self.active = True
+        self.active, self.module = True, module
         if self.saved_state:
             amp_patch.load_state_dict(self.saved_state)
 
@@ -146,10 +147,12 @@ class _AmpSession:
         if not self.active:
             return
         self.saved_state = amp_patch.state_dict()  # a checkpoint written after fit still holds the amp state
-        self.active = False
-        self.optimizers = []
-        self.unattached_scale = None
-        amp_patch.deinitialize()
+        devices = {p.device for p in self.module.parameters()}
+        self.active, self.optimizers, self.unattached_scale = False, [], None
+        amp_patch.deinitialize()  # O2: the params get their masters' data back, on the masters' device
+        if len(devices) == 1:  # the Trainer moved the model to the CPU before its teardown: keep it there
+            self.module.to(devices.pop())
+        self.module = None
 
 
 def _trainer_strategy(module):

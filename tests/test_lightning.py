@@ -219,6 +219,20 @@ def test_checkpoint_holds_the_amp_state_and_resume_restores_the_scale(tmp_path):
     assert [s for _, s, _, _ in resumed.steps] == [False, False]
 
 
+def test_an_exception_in_training_step_still_tears_down(tmp_path):
+    class Failing(Tiny):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 2:
+                raise KeyError("boom")
+            return super().training_step(batch, batch_idx)
+
+    module = Failing()
+    tr = trainer(tmp_path, AmpPatchPrecision("O2", half_dtype=torch.bfloat16))
+    with pytest.raises(KeyError, match="boom"):
+        tr.fit(module)
+    assert_torn_down(module, tr.optimizers[0])
+
+
 def test_precision_flag_with_the_plugin_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"precision=16-mixed.*AmpPatchPrecision\(opt_level='O2'\).*Choose one"):
         trainer(tmp_path, AmpPatchPrecision("O2"), precision="16-mixed")

@@ -47,8 +47,10 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     session.undo.append(distributed.install_rank_filter(log_all_ranks))
     try:
         fp32_data = _prepare_models(session, model_list)
-        if not opt_list and props.master_weights:  # optimizers attached later (attach_optimizers) get exact masters
-            session.fp32_data = fp32_data
+        if not opt_list and props.master_weights:  # optimizers attached later (attach_optimizers) get exact masters;
+            session.fp32_data = fp32_data         # until then the model's state_dict()/load_state_dict() use these
+            for patch in session.model_patches:
+                patch.link_masters(fp32_data)
         _attach_optimizers(session, opt_list, fp32_data)
         _link_masters(session)
         session.scalers = _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor,

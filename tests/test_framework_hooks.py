@@ -83,3 +83,18 @@ def test_attach_before_initialize_and_wrong_objects_are_refused():
     amp_patch.initialize(net(), opt_level="O1")
     with pytest.raises(amp_patch.ConfigError, match="optimizers must be a torch.optim.optimizer.Optimizer"):
         amp_patch.attach_optimizers("sgd")
+
+
+def test_state_dict_and_load_before_the_optimizers_are_attached():
+    """Between initialize(model) and attach_optimizers the model's state_dict holds the kept fp32 values and
+    load_state_dict writes them (a checkpoint loaded then must become the masters, not the initial weights)."""
+    model = net()
+    fp32 = {k: v.clone() for k, v in model.state_dict().items()}
+    amp_patch.initialize(model, opt_level="O2")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in fp32.items())
+    loaded = {k: v + 0.001 for k, v in fp32.items()}
+    model.load_state_dict(loaded)
+    opt = amp_patch.attach_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    for master, (name, value) in zip(amp_patch.master_params(opt), loaded.items()):
+        assert master.dtype == torch.float32 and torch.equal(master, value), name
+    assert model[0].weight.dtype == torch.float16

@@ -297,6 +297,11 @@ def test_fabric_loop_learns_skips_clips_and_checkpoints(tmp_path):
     fabric2, model2, opt2, *_ = fabric_run(restored, steps=0)
     fabric2.load(tmp_path / "state.ckpt", {"model": model2, "optimizer": opt2, "amp": restored})
     assert amp_patch.loss_scale() == 2.0 ** 11
+    saved = torch.load(tmp_path / "state.ckpt", weights_only=False)["model"]
+    fabric2.clip_gradients(model2, opt2, max_norm=1.0)  # attaches the optimizer: the masters are made now
+    masters = dict(zip([n for n, _ in model2.module.named_parameters()], restored.main_params(opt2.optimizer)))
+    for name, value in saved.items():  # the loaded fp32 weights, not the initial ones nor their fp16 rounding
+        assert value.dtype == torch.float32 and torch.equal(masters[name], value), name
     restored.teardown()
 
 

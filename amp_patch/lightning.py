@@ -270,7 +270,9 @@ class AmpPatchFabricPrecision(_FabricPrecisionBase):
         if not opts:  # before the first step(): the optimizers are attached there, with these grads
             (tensor.float() * self._amp.unattached_scale).backward(*args, **kwargs)
             return
-        with amp_patch.scale_loss(tensor, opts) as scaled:
+        ddp = model if isinstance(model, _DDP) else None  # fabric.backward(loss, model=model) passes DDP's module
+        delay = ddp is not None and not ddp.require_backward_grad_sync  # inside fabric.no_backward_sync(model)
+        with amp_patch.scale_loss(tensor, opts, model=ddp, delay_unscale=delay) as scaled:
             scaled.backward(*args, **kwargs)
 
     def optimizer_step(self, optimizer, **kwargs):

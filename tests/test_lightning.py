@@ -402,3 +402,33 @@ def test_fabric_two_optimizers_attached_at_different_scales():
     assert amp_patch.loss_scale() == 2.0 ** 18  # 2**16, doubled after each of the two checks
     plugin.teardown()
     torch.testing.assert_close(amp_step, ref, rtol=1e-2, atol=1e-7)  # updates are ~3e-5
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_fabric_backward_keeps_grads_scaled_inside_ddp_no_sync(tmp_path):
+    """What Fabric does under DDP with fabric.no_backward_sync(model) and fabric.backward(loss, model=model)
+    (1-rank gloo group, plugin methods called as Fabric calls them): O2 must leave the micro-batch grads in the
+    half params for DDP to reduce, and unscale the sum into the masters at the synced backward."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(str(tmp_path / "s"), 1),
+                                         rank=0, world_size=1)
+    plugin = AmpPatchFabricPrecision("O2", **FP16)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 1, bias=False)
+        ref = model.weight.detach().clone().requires_grad_()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        plugin.convert_module(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        plugin.unscale_gradients(opt)  # Fabric's first clip_gradients: attaches the optimizer
+        (master,) = plugin.main_params(opt)
+        x, y = X[:8] * 0.1, Y[:8] * 0.1
+        with ddp.no_sync():
+            plugin.backward(F.mse_loss(ddp(x).float(), y), ddp)
+        assert model.weight.grad is not None and master.grad is None  # still scaled, in the half param
+        plugin.backward(F.mse_loss(ddp(x).float(), y), ddp)
+        assert model.weight.grad is None
+        (2 * F.mse_loss(x @ ref.t(), y)).backward()
+        torch.testing.assert_close(master.grad, ref.grad, rtol=1e-2, atol=1e-4)  # the 2 micro-batches, unscaled
+    finally:
+        plugin.teardown()
+        torch.distributed.destroy_process_group()

@@ -199,7 +199,8 @@ def test_trainer_manual_optimization_two_optimizers(tmp_path):
 def test_checkpoint_holds_the_amp_state_and_resume_restores_the_scale(tmp_path):
     ckpt_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
     first = Tiny(inject={1, 2})
-    trainer(tmp_path, AmpPatchPrecision("O2", **FP16), max_steps=4, enable_checkpointing=True, callbacks=[ckpt_cb]).fit(first)
+    trainer(tmp_path, AmpPatchPrecision("O2", **FP16), max_steps=4, enable_checkpointing=True,
+            callbacks=[ckpt_cb]).fit(first)
     path = tmp_path / "epoch=0-step=4.ckpt"
     ckpt = torch.load(path, weights_only=False)
     assert ckpt["AmpPatchPrecision"]["loss_scaler0"]["loss_scale"] == 2.0 ** 10

@@ -54,7 +54,15 @@ class Tiny(L.LightningModule):
         loss = F.mse_loss(self.net(x).float(), y.float())
         self.losses.append(loss.item())
         self.param_dtypes.add(self.net[0].weight.dtype)
+        self.log("train_loss", loss)
         return loss * math.inf if batch_idx in self.inject else loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.net(x).float(), y.float()))
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(X[:16], Y[:16]), batch_size=8)
 
     def on_train_batch_start(self, batch, batch_idx):  # main_params: the fp32 masters under the plugin
         self.before = [p.detach().clone() for p in self.trainer.precision_plugin.main_params(self.optimizers())]
@@ -118,6 +126,8 @@ def test_trainer_learns_in_half_and_tears_down(tmp_path, references, case):
     assert final < 0.4 * module.losses[0]  # learns (a noisy momentum run: fp32 gets 0.25x in 16 steps)
     assert final == pytest.approx(ref_final, rel=rtol, abs=2e-3)  # and follows the fp32 run
     assert not any(skipped for _, skipped, _, _ in module.steps)
+    val = float(tr.callback_metrics["val_loss"])  # validation (logging included) ran under the plugin too
+    assert val == pytest.approx(float(ref.trainer.callback_metrics["val_loss"]), rel=rtol, abs=2e-3)
     assert_torn_down(module, tr.optimizers[0])
 
 

@@ -20,7 +20,8 @@ def attach_optimizers(optimizers, *, unscale_loss_id=None):
     """Add optimizers to the session of an earlier ``initialize(models)``; returns them unchanged.
 
     Under master weights a half param gets an fp32 master holding the exact value it had before
-    ``initialize`` cast it (on the param's current device). ``unscale_loss_id``: the grads now in these
+    ``initialize`` cast it (on the param's current device) when ``initialize`` got no optimizers; otherwise
+    (an optimizer added to a full session) its master starts from the half value. ``unscale_loss_id``: the grads now in these
     optimizers' params come from a backward of ``loss * loss_scale(unscale_loss_id)`` run outside
     ``scale_loss``; they are unscaled and checked now, as a ``scale_loss`` exit would (an overflow skips the
     next ``step()``).

@@ -1,7 +1,7 @@
 """Trainer(strategy="ddp", accelerator="cpu", devices=2) with AmpPatchPrecision; run by test_lightning.py.
 
-Usage: python _lightning_ddp_script.py OUT_DIR OPT_LEVEL. Lightning re-runs this script for rank 1 (its
-subprocess launcher). Each rank starts from its *own* random weights (DDP broadcasts rank 0's; the plugin must
+Usage: python _lightning_ddp_script.py OUT_DIR OPT_LEVEL trainer|fabric. Lightning re-runs this script for rank 1
+(its subprocess launcher). Each rank starts from its *own* random weights (DDP broadcasts rank 0's; the plugin must
 give the fp32 masters rank 0's values too), accumulates 2 micro-batches per step (the first inside DDP's
 no_sync) and rank 1 alone sees an inf loss in batch 2 (a no_sync micro-batch). Each rank saves what it saw.
 """
@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning as L
 
 import amp_patch
-from amp_patch.lightning import AmpPatchPrecision
+from amp_patch.lightning import AmpPatchFabricPrecision, AmpPatchPrecision
 
 LINEAR = F.linear
 
@@ -57,11 +57,45 @@ class Net(L.LightningModule):
         return DataLoader(TensorDataset(x, x @ torch.randn(8, 1, generator=gen)), batch_size=4)
 
 
-if __name__ == "__main__":
+def trainer_main(out, level):
     trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_steps=4, accumulate_grad_batches=2,
                         logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                        enable_model_summary=False, default_root_dir=sys.argv[1],
-                        plugins=[AmpPatchPrecision(sys.argv[2], max_loss_scale=2.0 ** 12)])
+                        enable_model_summary=False, default_root_dir=out,
+                        plugins=[AmpPatchPrecision(level, max_loss_scale=2.0 ** 12)])
     trainer.fit(Net())
-    with open(os.path.join(sys.argv[1], f"after_fit{trainer.global_rank}.txt"), "w") as f:
+    return trainer.global_rank
+
+
+def fabric_main(out, level):
+    """The same run as a Fabric loop: no_backward_sync for the first micro-batch, fabric.backward(model=...)."""
+    precision = AmpPatchFabricPrecision(level, max_loss_scale=2.0 ** 12)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=precision)
+    fabric.launch()
+    rank = fabric.global_rank
+    net = Net()  # its own weights per rank, as above
+    model, opt = fabric.setup(net.net, torch.optim.SGD(net.net.parameters(), lr=0.05, momentum=0.9))
+    batches = list(net.train_dataloader())[rank::2]
+    records = []
+    for step in range(4):
+        for micro in range(2):
+            x, y = batches[2 * step + micro]
+            with fabric.no_backward_sync(model, enabled=micro == 0):
+                loss = F.mse_loss(model(x).float(), y)
+                fabric.backward(loss * math.inf if (rank == 1 and step == 1 and micro == 0) else loss, model=model)
+        fabric.clip_gradients(model, opt, max_norm=1.0)
+        opt.step()
+        opt.zero_grad()
+        records.append((2 * step + 1, amp_patch.last_step_skipped(opt.optimizer), amp_patch.loss_scale()))
+    half = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    init = {k.removeprefix("net."): v for k, v in net.init.items()}
+    torch.save({"init": init, "end": model.state_dict(), "half": half, "records": records},
+               os.path.join(out, f"rank{rank}.pt"))
+    precision.teardown()
+    return rank
+
+
+if __name__ == "__main__":
+    main = fabric_main if sys.argv[3] == "fabric" else trainer_main
+    rank = main(sys.argv[1], sys.argv[2])
+    with open(os.path.join(sys.argv[1], f"after_fit{rank}.txt"), "w") as f:
         f.write(f"F.linear unpatched: {F.linear is LINEAR}\n")

@@ -337,26 +337,28 @@ def test_import_amp_patch_does_not_import_lightning_and_a_missing_lightning_is_n
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
-@pytest.mark.parametrize("level", ["O2"])  # O1 passes too (30 s more); O2 adds the masters' broadcast
-def test_ddp_two_processes_stay_identical_with_an_inf_on_one_rank(tmp_path, level):
-    """Trainer(strategy="ddp", devices=2) on CPU (gloo): different initial weights per rank, 2 micro-batches per
-    step (the first in no_sync), an inf on rank 1 only in batch 2: both ranks skip step 1, back off the same
-    way and end bit-identical (fp32 masters and half model)."""
+@pytest.mark.parametrize("loop,level", [("trainer", "O1"), ("trainer", "O2"), ("fabric", "O2")])
+def test_ddp_two_processes_stay_identical_with_an_inf_on_one_rank(tmp_path, loop, level):
+    """strategy="ddp", 2 CPU processes (gloo), Trainer or Fabric loop: different initial weights per rank, 2
+    micro-batches per step (the first in no_sync), an inf on rank 1 only in batch 2: both ranks skip step 1,
+    back off the same way and end bit-identical (fp32 masters and half model)."""
     script = os.path.join(ROOT, "tests", "_lightning_ddp_script.py")
     env = dict(os.environ, PYTHONPATH=ROOT)
-    out = run_killing_group([sys.executable, script, str(tmp_path), level], cwd=tmp_path, env=env, timeout=150)
+    out = run_killing_group([sys.executable, script, str(tmp_path), level, loop], cwd=tmp_path, env=env,
+                            timeout=150)
     assert out.returncode == 0, out.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    assert not torch.equal(ranks[0]["init"]["net.0.weight"], ranks[1]["init"]["net.0.weight"])
-    for part in ("start", "end", "half"):
+    assert not torch.equal(ranks[0]["init"]["net.0.weight" if loop == "trainer" else "0.weight"],
+                           ranks[1]["init"]["net.0.weight" if loop == "trainer" else "0.weight"])
+    for part in ("start", "end", "half") if loop == "trainer" else ("end", "half"):
         for key, value in ranks[0][part].items():
             assert torch.equal(value, ranks[1][part][key]), (part, key)
-    assert ranks[0]["end"]["net.0.weight"].dtype == torch.float32
-    assert ranks[0]["half"]["net.0.weight"].dtype == (torch.float16 if level == "O2" else torch.float32)
+    end, half = (next(iter(ranks[0][part].values())) for part in ("end", "half"))
+    assert end.dtype == torch.float32 and half.dtype == (torch.float16 if level == "O2" else torch.float32)
     assert ranks[0]["records"] == ranks[1]["records"]
     steps = [(skipped, scale) for batch, skipped, scale in ranks[0]["records"] if batch % 2 == 1]
     assert steps == [(False, 2.0 ** 12), (True, 2.0 ** 11), (False, 2.0 ** 11), (False, 2.0 ** 11)]
-    assert not torch.equal(ranks[0]["end"]["net.0.weight"], ranks[0]["start"]["net.0.weight"])
+    assert not torch.equal(end, next(iter(ranks[0]["init"].values())))
     for r in (0, 1):
         assert (tmp_path / f"after_fit{r}.txt").read_text() == "F.linear unpatched: True\n"
 

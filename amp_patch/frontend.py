@@ -112,10 +112,17 @@ def _prepare_models(session, models):
     for model in models:
         patch = ModelPatch(model)
         session.model_patches.append(patch)
-        session.undo.append(lambda patch=patch: patch.restore(session.masters()))
+        session.undo.append(lambda patch=patch: patch.restore(_restore_values(session, patch)))
         fp32_data.update(patch.cast(props.cast_model_type, keep))
         patch.cast_io(props.cast_model_type, props.cast_model_outputs or torch.float32, keep)
     return fp32_data
+
+
+def _restore_values(session, patch):
+    """What the cast params get back at deinitialize: their masters, else the fp32 values kept for
+    attach_optimizers (a session with no optimizer, e.g. Lightning's validate), on the param's device."""
+    values = {**session.fp32_data, **session.masters()}
+    return {pid: values[pid].to(param.device) for pid, (param, _) in patch.original_dtypes.items() if pid in values}
 
 
 def _attach_optimizers(session, optimizers, fp32_data):

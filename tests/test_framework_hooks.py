@@ -98,3 +98,14 @@ def test_state_dict_and_load_before_the_optimizers_are_attached():
     for master, (name, value) in zip(amp_patch.master_params(opt), loaded.items()):
         assert master.dtype == torch.float32 and torch.equal(master, value), name
     assert model[0].weight.dtype == torch.float16
+
+
+def test_a_model_only_o2_session_gives_the_exact_fp32_weights_back():
+    model = net()
+    fp32 = {k: v.clone() for k, v in model.state_dict().items()}
+    amp_patch.initialize(model, opt_level="O2")
+    x, _ = batch()
+    assert model(x).dtype == torch.float32 and model[0].weight.dtype == torch.float16
+    amp_patch.deinitialize()
+    for key, value in model.state_dict().items():  # not the fp16-rounded values
+        assert value.dtype == torch.float32 and torch.equal(value, fp32[key]), key

@@ -230,6 +230,19 @@ def test_checkpoint_holds_the_amp_state_and_resume_restores_the_scale(tmp_path):
     assert [s for _, s, _, _ in resumed.steps] == [False, False]
 
 
+def test_validate_under_o2_leaves_the_exact_weights(tmp_path):
+    module = Tiny()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    tr = trainer(tmp_path, AmpPatchPrecision("O2"))
+    (result,) = tr.validate(module)
+    assert module.dtypes == {torch.float16}
+    ref = trainer(tmp_path).validate(Tiny())[0]["val_loss"]
+    assert result["val_loss"] == pytest.approx(ref, rel=1e-2)
+    for key, value in module.state_dict().items():  # fp32 again, not the fp16-rounded values
+        assert value.dtype == torch.float32 and torch.equal(value, before[key]), key
+    assert F.linear is ORIGINAL_LINEAR
+
+
 def test_an_exception_in_training_step_still_tears_down(tmp_path):
     class Failing(Tiny):
         def training_step(self, batch, batch_idx):

@@ -16,6 +16,7 @@ from .registry import (disable_casts, float_function, half_function, promote_fun
 from .frontend import (clear_cache, deinitialize, history, initialize, last_overflow, last_step_skipped,
                        load_state_dict, loss_scale, master_params, state_dict)
 from .scaling import scale_loss
+from .framework_hooks import attach_optimizers, next_step_skipped
 
 
 def doctor(job, *, opt_level="O1", half_dtype=torch.float16, steps=40, op_lists=None, out=None):
@@ -35,5 +36,6 @@ __all__ = [
     "OpEntry", "OpTable", "load_op_lists", "shipped_names", "autocast", "disable_casts", "float_function",
     "half_function", "promote_function", "register_float_function", "register_half_function",
     "register_promote_function", "initialize", "deinitialize", "clear_cache", "scale_loss", "master_params",
-    "state_dict", "load_state_dict", "last_step_skipped", "loss_scale", "trace", "history", "last_overflow", "doctor", "__version__",
+    "state_dict", "load_state_dict", "last_step_skipped", "loss_scale", "attach_optimizers", "next_step_skipped",
+    "trace", "history", "last_overflow", "doctor", "__version__",
 ]

@@ -51,3 +51,7 @@ class NotInitializedError(UsageError, AttributeError):
 
 class PatchError(AmpPatchError, RuntimeError):
     """A patch site could not be installed or restored exactly."""
+
+
+class MissingDependencyError(AmpPatchError, ImportError):
+    """An optional integration (e.g. ``amp_patch.lightning``) needs a package that is not installed."""

@@ -55,6 +55,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     try:
         _check_optimizers_train_models(props, model_list, opt_list)
         fp32_data = _prepare_models(session, model_list)
+        if not opt_list and props.master_weights:  # optimizers attached later (attach_optimizers) get exact masters;
+            session.fp32_data = fp32_data         # until then the model's state_dict()/load_state_dict() use these
         _attach_optimizers(session, opt_list, fp32_data)
         _guard_zero_grad(session)
         _link_masters(session)
@@ -183,10 +185,17 @@ def _prepare_models(session, models):
     for model in models:
         patch = ModelPatch(model)
         session.model_patches.append(patch)
-        session.undo.append(lambda patch=patch: patch.restore(session.masters()))
+        session.undo.append(lambda patch=patch: patch.restore(_restore_values(session, patch)))
         fp32_data.update(patch.cast(props.cast_model_type, keep))
         patch.cast_io(props.cast_model_type, props.cast_model_outputs or torch.float32, keep)
     return fp32_data
+
+
+def _restore_values(session, patch):
+    """What the cast params get back at deinitialize: their masters, else the fp32 values kept for
+    attach_optimizers (a session with no optimizer, e.g. Lightning's validate), on the param's device."""
+    values = {**session.fp32_data, **session.masters()}
+    return {pid: values[pid].to(param.device) for pid, (param, _) in patch.original_dtypes.items() if pid in values}
 
 
 def _attach_optimizers(session, optimizers, fp32_data):
@@ -197,9 +206,11 @@ def _attach_optimizers(session, optimizers, fp32_data):
 
 
 def _link_masters(session):
+    """state_dict()/load_state_dict() use the masters, or the kept fp32 data of params no optimizer holds yet
+    (called again by attach_optimizers: the later hooks, with the masters, decide)."""
     masters = session.masters()
     for patch in session.model_patches:
-        patch.link_state_dict(masters)
+        patch.link_state_dict({**session.fp32_data, **masters})
     if masters:
         session.undo.append(distributed.track_no_sync(session))
 

@@ -29,6 +29,7 @@ class Session:
         self.unsharded_models = []  # not FSDP2-sharded at initialize: a later fully_shard is refused
         self.masters_checked = False  # the one-time DDP master-weight check of scale_loss
         self.unreachable = []  # import-time bindings amp_patch cannot reach (reported)
+        self.fp32_data = {}  # id(param) -> fp32 data of params cast without an optimizer (for attach_optimizers)
 
     def scaler(self, loss_id):
         if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(self.scalers):
@@ -71,6 +72,7 @@ class Session:
             self.undo.pop()()
         self.opt_states.clear()
         self.model_patches.clear()
+        self.fp32_data = {}
         self.engine = None
 
 

@@ -81,7 +81,7 @@ class OverflowDiagnoser:
                   "params": self.bad_grads(masters)}
         self.flags.clear()
         origin = record["first_bad_module"]
-        log.warning("amp_patch overflow (loss %d, scale %s): first non-finite/out-of-range module output: %s; "
+        log.warning("overflow (loss %d, scale %s): first non-finite/out-of-range module output: %s; "
                     "params with non-finite grads: %s", loss_id, scale,
                     f"{origin['module']} (last op {origin['op']}, {origin['category']})" if origin else "none found",
                     ", ".join(f"{r['param']} ({r['nonfinite']})" for r in record["params"][:8]) or "none")
@@ -119,4 +119,4 @@ class StepHistory:
         self._at_floor[loss_id] = self._at_floor[loss_id] + 1 if at_floor else 0
         if self._at_floor[loss_id] >= self.collapse_steps or (floor is None and scale < 1.0):
             self._warned.add(loss_id)
-            log.warning("amp_patch: loss scale of loss %d collapsed to %s. %s", loss_id, scale, _COLLAPSE_HINT)
+            log.warning("loss scale of loss %d collapsed to %s. %s", loss_id, scale, _COLLAPSE_HINT)

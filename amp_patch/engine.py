@@ -55,7 +55,7 @@ class CastingEngine:
         except BaseException:
             self.patcher.restore_all()
             raise
-        log.debug("amp_patch installed %d wrappers (%s)", len(self.patcher), self.half_dtype)
+        log.debug("installed %d wrappers (%s)", len(self.patcher), self.half_dtype)
 
     def _install_one(self, owner, entry):
         method = isinstance(owner, type)

@@ -146,7 +146,10 @@ def write_png(reports, out_dir):
 
 
 class Progress:
-    """A text progress bar on stderr: ``[#####-----]  50% mlp O1 20/40``; one line per run when not a TTY."""
+    """A text progress bar on stderr: ``[#####-----]  50% mlp O1 20/40``; one line per run when not a TTY.
+
+    Runs may interleave: each run (label) counts its own steps, the bar shows their sum.
+    """
 
     def __init__(self, total_runs, steps, stream=None, enabled=True, width=28):
         self.stream = stream if stream is not None else sys.stderr
@@ -154,37 +157,39 @@ class Progress:
         self.total = max(1, total_runs * steps)
         self.steps = steps
         self.width = width
-        self.done = 0
+        self.done = {}
         self.label = ""
         self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
 
     def start(self, label):
         self.label = label
-        self._render(0)
+        self._render()
 
-    def step(self, done_in_run):
+    def step(self, done_in_run, label=None):
+        self.done[label or self.label] = done_in_run
         if self.tty:
-            self._render(done_in_run)
+            self._render()
 
-    def end_run(self, status):
-        self.done += self.steps
+    def end_run(self, status, label=None):
+        label = label or self.label
+        self.done[label] = self.steps
         if self.enabled and not self.tty:
-            self.stream.write(f"{self._bar(0)} {self.label}: {status}\n")
+            self.stream.write(f"{self._bar()} {label}: {status}\n")
             self.stream.flush()
         elif self.tty:
-            self._render(0)
+            self._render()
 
     def close(self):
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
 
-    def _bar(self, done_in_run):
-        frac = min(1.0, (self.done + done_in_run) / self.total)
+    def _bar(self):
+        frac = min(1.0, sum(self.done.values()) / self.total)
         filled = int(round(frac * self.width))
         return f"[{'#' * filled}{'-' * (self.width - filled)}] {frac * 100:3.0f}%"
 
-    def _render(self, done_in_run):
+    def _render(self):
         if self.tty:
-            self.stream.write(f"\r{self._bar(done_in_run)} {self.label} {done_in_run}/{self.steps}\x1b[K")
+            self.stream.write(f"\r{self._bar()} {self.label} {self.done.get(self.label, 0)}/{self.steps}\x1b[K")
             self.stream.flush()

@@ -179,7 +179,7 @@ class AliasHandle:
                 delattr(apex, "amp")
             else:
                 apex.amp = self._saved_amp_attr
-        log.debug("amp_patch: apex alias removed")
+        log.debug("apex alias removed")
 
 
 def install_apex_alias(force=False):
@@ -210,7 +210,7 @@ def install_apex_alias(force=False):
         except BaseException:
             handle._restore()
             raise
-    log.debug("amp_patch: apex alias installed (real apex: %s, forced: %s)", real, force)
+    log.debug("apex alias installed (real apex: %s, forced: %s)", real, force)
     return handle
 
 

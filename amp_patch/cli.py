@@ -211,7 +211,9 @@ def main(argv=None):
         return 2
     try:
         with _show_amp_patch_logs():
-            return int(args.func(args) or 0)
+            status = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's final flush
+        return status
     except BrokenPipeError:
         return _stdout_closed()
 

@@ -19,6 +19,9 @@ import torch
 from . import _state
 from .errors import UsageError
 
+__all__ = ["agree_overflow", "broadcast_master_params", "masters_out_of_sync", "check_unscale_inside_no_sync",
+           "world_size", "rank"]
+
 log = logging.getLogger("amp_patch")
 
 

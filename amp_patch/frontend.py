@@ -228,7 +228,8 @@ def master_params(optimizer):
 
 def last_step_skipped(optimizer):
     """True when the optimizer's last ``step()`` was skipped because of an overflow."""
-    return _session("last_step_skipped").state_for(optimizer).last_skipped
+    session = _session("last_step_skipped")
+    return session.state_for(optimizer).last_skipped if session.enabled else False
 
 
 def loss_scale(loss_id=0):

@@ -219,7 +219,7 @@ def clear_cache():
 
 
 def master_params(optimizer):
-    """The fp32 params ``optimizer`` updates (the masters under O2): clip these after scale_loss."""
+    """The params ``optimizer`` updates (fp32 masters under O2, else the model's own: half under O3); clip these."""
     session = _session("master_params")
     if not session.enabled:
         return iter([p for g in optimizer.param_groups for p in g["params"]])

@@ -64,7 +64,7 @@ def test_markdown_table_is_valid_and_labels_o0(in_process):
     rows = [line for line in text.splitlines() if line.startswith("|")]
     assert len(rows) == 4 and all(len(_cells(r)) == len(_cells(rows[0])) for r in rows), rows
     assert rows[2].startswith("| O0 (fp32) | ok |") and rows[3].startswith("| O1 | ok |")
-    assert "Half dtype bfloat16 (the default here" in text and "initialize() defaults to float16" in text
+    assert "Half dtype bfloat16: the default here" in text and "initialize() defaults to float16" in text
 
 
 def test_json_keeps_every_round(in_process):

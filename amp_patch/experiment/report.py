@@ -76,15 +76,15 @@ _COLUMNS = ("variant", "status", "median step ms (min-max)", "vs fp32", "vs nati
             "final loss", "max \\|Δloss\\| vs fp32", "skipped steps", "final loss scale", "casts/iter",
             "syncs/step")
 _DTYPE_WHY = {
-    "bfloat16": "the default here: bf16 needs no loss scaling and is what CPU autocast uses; initialize() defaults "
-                "to float16, as Apex did (--half-dtype float16 compares that)",
+    "bfloat16": "the default here, as bf16 needs no loss scaling and is CPU autocast's dtype; initialize() "
+                "defaults to float16, as Apex did, which --half-dtype float16 compares",
     "float16": "initialize()'s default, as Apex's; dynamic loss scaling on for O1/O2 and native (GradScaler)",
 }
 
 
 def markdown(report):
     """A markdown section for one job: a heading, the table, notes on the columns and every variant's error."""
-    lines = [_heading(report), "", f"Half dtype {report['half_dtype']} ({_DTYPE_WHY[report['half_dtype']]}).", "",
+    lines = [_heading(report), "", f"Half dtype {report['half_dtype']}: {_DTYPE_WHY[report['half_dtype']]}.", "",
              "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     for name, v in report["variants"].items():
         cells = [label(name), v["status"], _spread(v["median_step_ms"], v["step_ms_min"], v["step_ms_max"]),

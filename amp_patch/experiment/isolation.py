@@ -19,7 +19,10 @@ def _child_main(conn, job_ref, variant, config):
     except Exception as exc:
         _fail(run.result, exc)
     while True:
-        command, arg = conn.recv()
+        try:
+            command, arg = conn.recv()
+        except EOFError:  # the parent is gone (killed): nothing left to report to
+            return
         if command == "setup" and run.result["status"] == "ok":
             run.setup()
         elif command == "round":

@@ -141,10 +141,12 @@ def _run_group(group, name, config, bar):
     for variant, run in group:
         bar.start(f"{name} {variant}")
         run.setup()
-    for size in config.round_sizes():
+    sizes = config.round_sizes()
+    for number, size in enumerate(sizes, 1):
         for variant, run in group:
             bar.start(f"{name} {variant}")
             run.run_round(size)
+        bar.note(f"{name} {'/'.join(v for v, _ in group)}: round {number}/{len(sizes)}")
     results = {}
     for variant, run in group:
         result = results[variant] = run.close()

@@ -272,6 +272,12 @@ class Progress:
         elif self.tty:
             self._render()
 
+    def note(self, text):
+        """One line between runs when stderr is not a terminal (a log file shows the interleaved rounds advance)."""
+        if self.enabled and not self.tty:
+            self.stream.write(f"{self._bar()} {text}\n")
+            self.stream.flush()
+
     def close(self):
         if self.tty:
             self.stream.write("\n")

@@ -215,7 +215,7 @@ class _FallbackHandler(logging.StreamHandler):
 def _show_amp_patch_logs():
     logger = logging.getLogger("amp_patch")
     handler = _FallbackHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     level = logger.level
     logger.addHandler(handler)
     if level == logging.NOTSET:
@@ -228,7 +228,11 @@ def _show_amp_patch_logs():
 
 
 def main(argv=None):
-    """Run ``amp-patch`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    """Run ``amp-patch`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
+
+    Exit status 2 and one line on stderr for a user mistake (bad arguments, a missing script or job); a closed
+    stdout (``amp-patch ... | head``) ends the command quietly.
+    """
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -237,8 +241,24 @@ def main(argv=None):
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
-    with _show_amp_patch_logs():
-        return int(args.func(args) or 0)
+    try:
+        with _show_amp_patch_logs():
+            status = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's final flush
+        return status
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+def _stdout_closed():
+    """The reader of stdout went away: point stdout at /dev/null so the interpreter's final flush is quiet too."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (captured stdout): nothing to flush
+        pass
+    return 1
 
 
 if __name__ == "__main__":  # pragma: no cover - python -m amp_patch.cli

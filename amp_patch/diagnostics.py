@@ -66,7 +66,7 @@ class OverflowDiagnoser:
                   "params": self.bad_grads(masters)}
         self.flags.clear()
         origin = record["first_bad_module"]
-        log.warning("amp_patch overflow (loss %d, scale %s): first non-finite/out-of-range module output: %s; "
+        log.warning("overflow (loss %d, scale %s): first non-finite/out-of-range module output: %s; "
                     "params with non-finite grads: %s", loss_id, scale,
                     f"{origin['module']} (last op {origin['op']}, {origin['category']})" if origin else "none found",
                     ", ".join(f"{r['param']} ({r['nonfinite']})" for r in record["params"][:8]) or "none")
@@ -93,12 +93,13 @@ def bad_grads(models, masters):
         grad = grad if grad is not None else param.grad
         if grad is None:
             continue
+        grad = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor (FSDP2): this rank's shard
         finite = torch.isfinite(grad)
         bad = int((~finite).sum())
         if bad:
-            values = grad[finite].abs()
-            row = {"param": param_names[0], "nonfinite": bad,
-                   "max_finite": float(values.max()) if values.numel() else None}
+            any_finite = bool(finite.any())
+            row = {"param": param_names[0], "nonfinite": bad,  # (no boolean indexing: DTensor/fake-friendly)
+                   "max_finite": float(torch.where(finite, grad.abs(), 0).max()) if any_finite else None}
             if len(param_names) > 1:
                 row["tied"] = param_names[1:]
             rows.append(row)
@@ -156,4 +157,4 @@ class StepHistory:
         self._at_floor[loss_id] = self._at_floor[loss_id] + 1 if at_floor else 0
         if self._at_floor[loss_id] >= self.collapse_steps or (floor is None and scale < 1.0):
             self._warned.add(loss_id)
-            log.warning("amp_patch: loss scale of loss %d collapsed to %s. %s", loss_id, scale, _COLLAPSE_HINT)
+            log.warning("loss scale of loss %d collapsed to %s. %s", loss_id, scale, _COLLAPSE_HINT)

@@ -39,7 +39,7 @@ def reroute(models, engine):
             vars(module)[name] = value
 
     if changed:
-        log.info("amp_patch routed %d early-bound function reference(s) through its wrappers: %s", len(changed),
+        log.info("routed %d early-bound function reference(s) through its wrappers: %s", len(changed),
                  ", ".join(label for *_, label in changed))
     return undo, [label for *_, label in changed]
 
@@ -59,7 +59,7 @@ def scan_globals(models, engine):
                 if id(value) in originals and originals[id(value)][0] is value and not isinstance(value, type):
                     found.append(f"{mod_name}.{name}")
     if found:
-        log.warning("amp_patch cannot reach %d function(s) bound at import time (`from torch... import name`): "
+        log.warning("cannot reach %d function(s) bound at import time (`from torch... import name`): "
                     "%s. Calls through these names skip O1 casting; call them through their namespace "
                     "(e.g. F.gelu) or wrap them with amp_patch.float_function/half_function.", len(found),
                     ", ".join(found))

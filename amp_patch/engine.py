@@ -60,7 +60,7 @@ class CastingEngine:
             raise
         if self.scopes is not None:
             self.scopes.refresh()
-        log.debug("amp_patch installed %d wrappers (%s)", len(self.patcher), self.half_dtype)
+        log.debug("installed %d wrappers (%s)", len(self.patcher), self.half_dtype)
 
     def _scoped_entries(self):
         """(target, name) -> a representative entry, for every op some scope names (to install a site for it)."""

@@ -233,7 +233,7 @@ def _install_casting(session, op_lists, allow_banned):
         return
     table = load_op_lists(op_lists)
     if table.skipped:  # version-dependent entries are declared, never silently dropped
-        log.info("amp_patch: %d op-list entr%s skipped on torch %s: %s", len(table.skipped),
+        log.info("%d op-list entr%s skipped on torch %s: %s", len(table.skipped),
                  "y" if len(table.skipped) == 1 else "ies", torch.__version__,
                  "; ".join(f"{s.entry.qualname} ({s.entry.path}:{s.entry.line}: {s.reason})" for s in table.skipped))
     session.engine = CastingEngine(table, half_dtype=props.half_dtype, allow_banned=allow_banned,
@@ -305,7 +305,7 @@ def _set_up_diagnostics(session, models, diagnose_overflow, history_size):
 
 def _log_configuration(props, verbosity):
     if verbosity:
-        log.info("amp_patch: opt_level %s, half dtype %s, cast_model_type %s, patch_torch_functions %s, "
+        log.info("opt_level %s, half dtype %s, cast_model_type %s, patch_torch_functions %s, "
                  "keep_batchnorm_fp32 %s, master_weights %s, loss_scale %s", props.opt_level,
                  props.half_dtype, props.cast_model_type, props.patch_torch_functions, props.keep_batchnorm_fp32,
                  props.master_weights, props.loss_scale)
@@ -331,7 +331,7 @@ def clear_cache():
 
 
 def master_params(optimizer):
-    """The fp32 params ``optimizer`` updates (the masters under O2): clip these after scale_loss."""
+    """The params ``optimizer`` updates (fp32 masters under O2, else the model's own: half under O3); clip these."""
     session = _session("master_params")
     if not session.enabled:
         return iter([p for g in optimizer.param_groups for p in g["params"]])

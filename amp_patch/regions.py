@@ -1,6 +1,8 @@
 """``amp_patch.autocast()``: patch-based O1 casting for a region or a function.
 
-Inside an initialized O1 session casting is already on, so ``autocast()`` is a
+It takes ``torch.autocast``'s arguments with their meaning (``device_type``, ``dtype``, ``enabled``,
+``cache_enabled``; ``dtype`` defaults to the device's autocast dtype, as torch's does) and refuses what it
+cannot honour. Inside an initialized O1 session casting is already on, so ``autocast()`` is a
 no-op and ``autocast(enabled=False)`` turns casting off for the region. With no
 session, the outermost region installs a temporary engine and removes every
 patch on exit, so nothing leaks past the region (patches are process-wide: other
@@ -15,7 +17,7 @@ import torch
 
 from . import _state
 from .engine import CastingEngine
-from .errors import ConfigError
+from .errors import ConfigError, UsageError
 from .oplist import load_op_lists
 
 _lock = threading.Lock()
@@ -34,13 +36,31 @@ def _table_for(op_lists):
 
 
 class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autocast
-    """Context manager / decorator: O1 casting on (or, with ``enabled=False``, off) for the body."""
+    """Context manager / decorator: O1 casting on (or, with ``enabled=False``, off) for the body.
 
-    def __init__(self, enabled=True, *, half_dtype=torch.float16, op_lists=None, allow_banned=False):
-        if half_dtype not in (torch.float16, torch.bfloat16):
-            raise ConfigError(f"half_dtype={half_dtype!r}; allowed: torch.float16, torch.bfloat16")
-        self.enabled = bool(enabled)
-        self.half_dtype = half_dtype
+    ``autocast(device_type=None, dtype=None, enabled=True, cache_enabled=None, *, half_dtype=None,
+    op_lists=None, allow_banned=False)``: the positional order is torch.autocast's. ``dtype`` and
+    ``half_dtype`` are the same thing (torch's name and amp_patch's); unset, it is the device's autocast dtype
+    (``torch.get_autocast_dtype(device_type)``: bfloat16 on CPU, float16 on CUDA) or, without ``device_type``,
+    float16 as in ``initialize``.
+    """
+
+    def __init__(self, device_type=None, dtype=None, enabled=True, cache_enabled=None, *, half_dtype=None,
+                 op_lists=None, allow_banned=False):
+        _check_device_type(device_type)
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"enabled={enabled!r}; pass True or False (as torch.autocast requires)")
+        if cache_enabled is False:
+            raise ConfigError("cache_enabled=False is not supported: amp_patch keeps each weight's half cast until "
+                              "the iteration ends (scale_loss, amp_patch.clear_cache()) and drops it when the weight "
+                              "changes in place; drop cache_enabled, or call amp_patch.clear_cache() where needed")
+        self.explicit_dtype = _pick_dtype(dtype, half_dtype)
+        self.half_dtype = self.explicit_dtype or (torch.get_autocast_dtype(device_type) if device_type
+                                                  else torch.float16)
+        if self.half_dtype not in (torch.float16, torch.bfloat16):
+            raise ConfigError(f"dtype={self.half_dtype!r}; allowed: torch.float16, torch.bfloat16")
+        self.device_type = device_type
+        self.enabled = enabled
         self.op_lists = op_lists
         self.allow_banned = allow_banned
         self._stack = threading.local()
@@ -54,6 +74,10 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
     def __enter__(self):
         stack = contextlib.ExitStack()
         engine = _state.active_engine()
+        if engine is not None and self.enabled and self.explicit_dtype not in (None, engine.half_dtype):
+            raise UsageError(f"amp_patch.autocast(dtype={self.explicit_dtype}) inside a session that casts to "
+                             f"{engine.half_dtype}; a region cannot switch the half dtype: drop dtype, or "
+                             "initialize with half_dtype=" + str(self.explicit_dtype))
         if engine is not None and not self.enabled:
             stack.enter_context(engine.casts_disabled())
         elif engine is None and self.enabled:
@@ -84,3 +108,26 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
     def __exit__(self, *exc):
         self._frames().pop().close()
         return False
+
+
+def _check_device_type(device_type):
+    if device_type is None:
+        return
+    if not isinstance(device_type, str):
+        raise ConfigError(f"autocast({device_type!r}): the first argument is device_type, as in torch.autocast "
+                          "(e.g. 'cuda' or 'cpu'); pass enabled=... by keyword")
+    try:
+        kind = torch.device(device_type).type
+    except RuntimeError:
+        kind = None
+    if kind != device_type:
+        raise ConfigError(f"device_type={device_type!r}; pass a device type such as 'cuda' or 'cpu' (no index)")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device_type='cuda', but torch.cuda.is_available() is False on this machine; use 'cpu'")
+
+
+def _pick_dtype(dtype, half_dtype):
+    if dtype is not None and half_dtype is not None and dtype != half_dtype:
+        raise ConfigError(f"dtype={dtype} and half_dtype={half_dtype} disagree; they are the same setting (torch's "
+                          "name and amp_patch's): pass one")
+    return dtype if dtype is not None else half_dtype

@@ -20,7 +20,9 @@ def add_parser(subparsers):
     parser.add_argument("--model", default="transformer", help="built-in job when --job is not given "
                         "(mlp, cnn, transformer; default transformer)")
     parser.add_argument("--opt-level", default="O1", choices=["O1"], help="tracing needs O1's patches")
-    parser.add_argument("--half-dtype", default="bfloat16", choices=sorted(_DTYPES))
+    parser.add_argument("--half-dtype", default="bfloat16", choices=sorted(_DTYPES),
+                        help="default bfloat16, as amp-patch experiment (CPU autocast's dtype, no loss scaling); "
+                             "initialize() defaults to float16 as Apex did")
     parser.add_argument("--op-lists", default=None, help="shipped list name or YAML path (default apex)")
     parser.add_argument("--no-modules", action="store_true", help="do not attribute calls to modules")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
@@ -32,6 +34,8 @@ def _job(args):
     from .experiment.models import BUILTIN, load_job
 
     if args.job:
+        from .experiment.command import _cwd_on_path
+        _cwd_on_path()
         return load_job(args.job)
     if args.model not in BUILTIN:
         raise AmpPatchError(f"--model {args.model!r}; allowed: {', '.join(BUILTIN)}")

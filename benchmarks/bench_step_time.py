@@ -146,6 +146,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.warmup = 2, 3, 1
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda, but torch.cuda.is_available() is False (torch {torch.__version__}); "
+                     "use --device cpu")
     args.half_dtype = getattr(torch, args.dtype)
     cases = args.case or list(CASES)
     print(f"Machine: {_machine(args)}\n")

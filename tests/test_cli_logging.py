@@ -46,4 +46,16 @@ def test_a_program_that_configures_logging_gets_the_lines_once(script, capsys, m
     assert cli.main(["run", script, "--configure"]) == 0
     captured = capsys.readouterr()
     assert "Gradient overflow" not in captured.err
-    assert captured.out.count("Gradient overflow") == 1 and "APP amp_patch: opt_level O1" in captured.out
+    assert captured.out.count("Gradient overflow") == 1 and "APP opt_level O1" in captured.out
+
+
+def test_a_default_logging_format_names_amp_patch_once(script, capsys, monkeypatch):
+    """logging.basicConfig's default format already names the logger; the message does not repeat it."""
+    _fresh_root_logger(monkeypatch)
+    source = open(script).read().replace('format="APP %(message)s"', "")
+    with open(script, "w") as f:
+        f.write(source)
+    assert cli.main(["run", script, "--configure"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "amp_patch" in line]
+    assert any(line.startswith("INFO:amp_patch:opt_level O1") for line in lines), lines
+    assert all(line.count("amp_patch") == 1 for line in lines), lines

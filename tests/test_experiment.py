@@ -164,7 +164,7 @@ def test_cli_runs_a_user_job(tmp_path, capsys):
                  "--no-progress", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0
-    assert "### tiny_job: 2 steps, bfloat16, cpu" in out and "| O1 | ok |" in out and "| fp32 | ok |" in out
+    assert "### tiny_job: 2 steps, bfloat16, cpu" in out and "| O1 | ok |" in out and "| O0 (fp32) | ok |" in out
     assert json.loads((tmp_path / "experiment.json").read_text())["jobs"]["tiny_job"]["steps"] == 2
 
 

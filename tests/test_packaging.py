@@ -34,3 +34,29 @@ def test_installed_package_serves_its_own_copy():
         assert apex == REPO / "op_lists" / "apex.yaml"
     else:
         assert apex == package_dir / "op_lists" / "apex.yaml" and apex.is_file()
+
+
+def _floor(spec):
+    """(major, minor) of a '>=X.Y' requirement."""
+    import re
+    match = re.search(r">=\s*(\d+)\.(\d+)", spec)
+    assert match, spec
+    return int(match.group(1)), int(match.group(2))
+
+
+def test_declared_floors_are_what_the_tests_run():
+    """python_requires and the torch floor are the versions CI installs (constraints.txt) and README states."""
+    import sys
+
+    import torch
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    requires = {line.split(">=")[0].split("=")[0].strip(): line.strip()
+                for line in cfg["options"]["install_requires"].splitlines() if line.strip()}
+    py_floor, torch_floor = _floor(cfg["options"]["python_requires"]), _floor(requires["torch"])
+    pinned = next(line for line in (REPO / "constraints.txt").read_text().splitlines() if line.startswith("torch=="))
+    assert tuple(int(p) for p in pinned.split("==")[1].split(".")[:2]) == torch_floor, (pinned, requires["torch"])
+    assert tuple(int(p) for p in torch.__version__.split(".")[:2]) >= torch_floor and sys.version_info >= py_floor
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert f"Python >= {py_floor[0]}.{py_floor[1]}" in readme and f"torch>={torch_floor[0]}.{torch_floor[1]}" in readme
+    assert "numpy" in requires  # torch warns "Failed to initialize NumPy" in every process without it

@@ -7,9 +7,10 @@ import torch
 
 from .. import _state
 from ..errors import ConfigError, UsageError
-from .models import Job, as_job
+from .isolation import IsolatedRun
+from .models import Job, as_job, load_job
 from .report import Progress, markdown, summarize, write_json, write_png
-from .runner import Config, job_from_ref, run_isolated, run_variant
+from .runner import Config, VariantRun, job_from_ref
 from .variants import VARIANTS, parse_variants
 
 log = logging.getLogger("amp_patch")
@@ -18,7 +19,7 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 def compare(model_fn, optimizer_fn, data_fn, loss_fn, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat16,
             device="cpu", seed=0, out_dir=None, isolate=True, batch_size=32, name="job", progress=True,
-            threads=None):
+            threads=None, rounds=5, timeout_s=600.0):
     """Train the same job under each variant (fp32/O0, O1, O2, O3, native autocast) and report.
 
     Each variant runs in its own spawned process (``isolate=True``; the four callables must then be
@@ -26,17 +27,22 @@ def compare(model_fn, optimizer_fn, data_fn, loss_fn, *, variants=VARIANTS, step
     See :mod:`amp_patch.experiment.models` for the callables' signatures. Returns the report dict (what
     the JSON file holds for this job); with ``out_dir`` also writes ``experiment.json`` and, when
     matplotlib is installed, ``experiment.png`` there. ``threads`` sets ``torch.set_num_threads`` for each
-    run (e.g. 1 for steadier CPU timings on a busy machine); None keeps torch's default.
+    run (e.g. 1 for steadier CPU timings on a busy machine); None keeps torch's default. The timed steps are
+    split into ``rounds`` rounds; with ``isolate=True`` each round runs every variant in turn (interleaved),
+    and a variant process working longer than ``timeout_s`` seconds in all is killed and reported as
+    ``timeout`` (None: no limit).
     """
     job = as_job(Job(model_fn, optimizer_fn, data_fn, loss_fn, batch_size=batch_size, name=name))
     return run_experiment([job], variants=variants, steps=steps, half_dtype=half_dtype, device=device, seed=seed,
-                          out_dir=out_dir, isolate=isolate, progress=progress, threads=threads)[0]
+                          out_dir=out_dir, isolate=isolate, progress=progress, threads=threads, rounds=rounds,
+                          timeout_s=timeout_s)[0]
 
 
 def run_experiment(jobs, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat16, device="cpu", seed=0,
-                   out_dir=None, isolate=True, progress=True, threads=None):
-    """Run every job (a :class:`Job` or a ``module:function`` string) under every variant; a list of reports."""
-    config = make_config(steps, half_dtype, device, seed, threads)
+                   out_dir=None, isolate=True, progress=True, threads=None, rounds=5, timeout_s=600.0):
+    """Run every job (a :class:`Job` or a ``module:function`` string) under every variant; a list of reports.
+    The keywords are :func:`compare`'s."""
+    config = make_config(steps, half_dtype, device, seed, threads, rounds, timeout_s)
     variants = parse_variants(variants)
     refs = [_check_ref(ref, isolate) for ref in jobs]
     if not isolate and _state.current() is not None:
@@ -53,10 +59,14 @@ def run_experiment(jobs, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat
     return reports
 
 
-def make_config(steps, half_dtype, device, seed, threads=None):
+def make_config(steps, half_dtype, device, seed, threads=None, rounds=5, timeout_s=600.0):
     _check_positive("steps", steps)
+    _check_positive("rounds", rounds)
     if threads is not None:
         _check_positive("threads", threads)
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not timeout_s > 0):
+        raise ConfigError(f"timeout_s={timeout_s!r}; pass a positive number of seconds, or None for no limit")
     half_dtype = _DTYPES.get(half_dtype, half_dtype)
     if half_dtype not in (torch.float16, torch.bfloat16):
         raise ConfigError(f"half_dtype={half_dtype!r}; allowed: torch.float16, torch.bfloat16")
@@ -69,7 +79,8 @@ def make_config(steps, half_dtype, device, seed, threads=None):
     if kind == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r}, but torch.cuda.is_available() is False on this machine "
                           f"(torch {torch.__version__}); use device='cpu'")
-    return Config(steps=steps, half_dtype=half_dtype, device=str(device), seed=int(seed), threads=threads)
+    return Config(steps=steps, half_dtype=half_dtype, device=str(device), seed=int(seed), threads=threads,
+                  rounds=rounds, timeout_s=None if timeout_s is None else float(timeout_s))
 
 
 def _check_positive(name, value):
@@ -104,23 +115,45 @@ def _check_not_interactive_main(job):
 
 
 def _job_name(ref):
-    return ref.name if isinstance(ref, Job) else str(ref).rsplit(":", 1)[-1]
+    return ref.name if isinstance(ref, Job) else load_job(ref).name  # the job's own name, if it gives one
 
 
 def _run_job(ref, variants, config, isolate, bar):
+    """Every variant of one job: set up, then the timed rounds (interleaved when isolated), then close."""
     name = _job_name(ref)
+
+    def on_step(label):
+        return lambda done: bar.step(done, label)
+
+    if isolate:
+        runs = {v: IsolatedRun(ref, v, config, on_step=on_step(f"{name} {v}")) for v in variants}
+        order = [list(runs.items())]  # one schedule for all: round i of every variant, then round i + 1
+    else:  # one amp_patch session at a time in this process: each variant's rounds back to back
+        runs = {v: VariantRun(job_from_ref(ref), v, config, on_step=on_step(f"{name} {v}")) for v in variants}
+        order = [[item] for item in runs.items()]
     results = {}
-    for variant in variants:
+    for group in order:
+        results.update(_run_group(group, name, config, bar))
+    return summarize(name, config, {v: results[v] for v in variants}, isolate)
+
+
+def _run_group(group, name, config, bar):
+    for variant, run in group:
         bar.start(f"{name} {variant}")
-        if isolate:
-            result = run_isolated(ref, variant, config, on_step=bar.step)
-        else:
-            result = run_variant(job_from_ref(ref), variant, config, on_step=bar.step)
-        bar.end_run(result["status"])
+        run.setup()
+    sizes = config.round_sizes()
+    for number, size in enumerate(sizes, 1):
+        for variant, run in group:
+            bar.start(f"{name} {variant}")
+            run.run_round(size)
+        bar.note(f"{name} {'/'.join(v for v, _ in group)}: round {number}/{len(sizes)}")
+    results = {}
+    for variant, run in group:
+        result = results[variant] = run.close()
+        bar.end_run(result["status"], f"{name} {variant}")
         if result["status"] != "ok":
-            log.info("amp_patch experiment: %s %s %s: %s", name, variant, result["status"], result["error"])
-        results[variant] = result
-    return summarize(name, config, results, isolate)
+            log.info("experiment: %s %s %s: %s", name, variant, result["status"], result["error"])
+    return results
 
 
 def format_reports(reports):

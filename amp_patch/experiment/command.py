@@ -13,8 +13,9 @@ from .variants import VARIANTS
 _EPILOG = """\
 A --job function takes no arguments and returns a dict (or object) with model_fn(), optimizer_fn(model),
 data_fn() (a Dataset or a tuple of tensors; items are (input, ..., target)) and loss_fn(output, target),
-optionally batch_size and name; the callables must be module-level. Exit status: 0 when every variant ran
-(a diverging variant is a result, not an error), 1 when a variant failed, 2 on bad arguments."""
+optionally batch_size and name (the report's title); the callables must be module-level. MODULE is imported
+from the current directory first, then PYTHONPATH (as `python -m` does). Exit status: 0 when every variant ran
+(a diverging variant is a result, not an error), 1 when a variant failed or timed out, 2 on bad arguments."""
 
 
 def add_parser(subparsers):
@@ -29,11 +30,19 @@ def add_parser(subparsers):
     parser.add_argument("--model", action="append", choices=sorted(BUILTIN) + ["all"],
                         help="built-in job on synthetic data; repeatable (default: all, unless --job is given)")
     parser.add_argument("--steps", type=int, default=40, help="training steps per variant (default 40)")
-    parser.add_argument("--half-dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--half-dtype", choices=["bfloat16", "float16"], default="bfloat16",
+                        help="default bfloat16: no loss scaling needed, and CPU autocast's dtype; initialize() "
+                             "defaults to float16 as Apex did")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="the timed steps are split into this many rounds; each round runs every variant in "
+                             "turn, and the table shows the median over the rounds and their min-max (default 5)")
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="time limit per variant; a variant over it is killed and reported as 'timeout' "
+                             "(default 600)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads per run (default: 1 for the built-in models on CPU, which are "
                              "too small to gain from more and time steadier on one; torch's default for --job)")
@@ -64,19 +73,35 @@ def _threads(args):
 
 def run_command(args):
     """Run the experiment the parsed ``args`` describe; returns the exit status."""
+    _cwd_on_path()
+    _announce_png(args.out)
     try:
         reports = run_experiment(_jobs(args), variants=args.variants, steps=args.steps,
                                  half_dtype=args.half_dtype, device=args.device, seed=args.seed,
                                  out_dir=args.out, isolate=not args.no_isolate, progress=not args.no_progress,
-                                 threads=_threads(args))
+                                 threads=_threads(args), rounds=args.rounds, timeout_s=args.timeout)
     except AmpPatchError as exc:
         sys.stderr.write(f"amp-patch experiment: error: {exc}\n")
         return 2
     sys.stdout.write(format_reports(reports) + "\n")
     sys.stdout.flush()
     png = os.path.join(args.out, PNG_NAME)
-    sys.stderr.write(f"wrote {os.path.join(args.out, JSON_NAME)}"
-                     + (f" and {png}\n" if importlib.util.find_spec("matplotlib") else
-                        " (no PNG: matplotlib is not installed; pip install 'amp_patch[plot]')\n"))
-    failed = [v for r in reports for v in r["variants"].values() if v["status"] == "failed"]
+    sys.stderr.write(f"wrote {os.path.join(args.out, JSON_NAME)}" + (f" and {png}\n" if _has_matplotlib() else "\n"))
+    failed = [v for r in reports for v in r["variants"].values() if v["status"] in ("failed", "timeout")]
     return 1 if failed else 0
+
+
+def _cwd_on_path():
+    """``--job mypkg.jobs:make_job`` finds ``./mypkg`` as ``python -m`` would (spawned variants inherit it)."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
+def _has_matplotlib():
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _announce_png(out):
+    if not _has_matplotlib():
+        sys.stderr.write(f"amp-patch experiment: no {PNG_NAME} will be written to {out}: matplotlib is not "
+                         "installed (pip install matplotlib); the table and the JSON are\n")

@@ -1,12 +1,14 @@
-"""Run one variant of a job: in this process (``run_variant``) or in a fresh spawned one (``run_isolated``).
+"""Run one variant of a job in this process, in steps: :class:`VariantRun` (``setup``, ``run_round``, ``close``).
 
 Each run seeds torch with the same seed before building the model and the data, so every variant trains the
-same initial weights on the same batches. Step 0 is a warm-up, step 1 runs under a cast-counting dispatch
-mode, step 2 (CUDA only) under CUDA's sync debug mode; the remaining steps are timed.
+same initial weights on the same batches. ``setup`` runs the untimed steps: step 0 is a warm-up, step 1 runs
+under a cast-counting dispatch mode, step 2 (CUDA only) under CUDA's sync debug mode. Each ``run_round(n)``
+then times ``n`` more steps, so that the caller can interleave the rounds of several variants (each in its own
+process: :mod:`amp_patch.experiment.isolation`) and one noisy moment of the machine hits every variant alike.
 """
+import contextlib
 import dataclasses
 import math
-import multiprocessing
 import os
 import resource
 import statistics
@@ -32,6 +34,18 @@ class Config:
     device: str = "cpu"
     seed: int = 0
     threads: object = None  # torch.set_num_threads for the run; None keeps torch's default
+    rounds: int = 5  # the timed steps are split into this many interleaved rounds
+    timeout_s: object = 600.0  # per variant (isolated runs only); None: no limit
+
+    def untimed_steps(self):
+        """Steps ``setup`` runs before the timed rounds (warm-up, cast count, and the sync count on CUDA)."""
+        return min(self.steps, _SYNC_STEP + 1 if torch.device(self.device).type == "cuda" else _COUNT_STEP + 1)
+
+    def round_sizes(self):
+        """Timed steps per round: the steps after ``untimed_steps()`` split as evenly as possible."""
+        timed = self.steps - self.untimed_steps()
+        rounds = min(self.rounds, timed)
+        return [timed // rounds + (i < timed % rounds) for i in range(rounds)] if rounds > 0 else []
 
 
 def new_result(variant, isolated):
@@ -40,7 +54,7 @@ def new_result(variant, isolated):
             "skipped_steps": 0, "step_times_ms": [], "median_step_ms": None, "casts_per_iteration": None,
             "weight_casts_per_iteration": None, "distinct_weights_cast": None, "syncs_per_step": None,
             "peak_memory_mib": None, "memory_at_start_mib": None, "memory_kind": None, "final_loss": None,
-            "final_loss_scale": None}
+            "final_loss_scale": None, "rounds": [], "step_ms_min": None, "step_ms_max": None}
 
 
 def _fail(result, exc):
@@ -49,78 +63,140 @@ def _fail(result, exc):
     result["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:])
 
 
+class VariantRun:
+    """One variant of one job, trained in this process: ``setup()``, ``run_round(n)`` per round, ``close()``.
+
+    No method raises for a failure of the job or the variant: the result says ``failed`` (or ``diverged``)
+    with the error, and later rounds do nothing.
+    """
+
+    def __init__(self, job, variant, config, on_step=None, isolated=False):
+        self.job, self.config, self.on_step = job, config, on_step
+        self.result = new_result(variant, isolated)
+        self.device = torch.device(config.device)
+        self.runner = None
+        self.step = 0
+        self.active = False
+        self._old_threads = torch.get_num_threads()
+
+    def setup(self):
+        self.result["memory_at_start_mib"] = _memory_now_mib(self.device)
+        with self._guard():
+            self.runner = make_variant(self.result["variant"], self.config.half_dtype, self.config.device)
+            if self.config.threads:
+                torch.set_num_threads(self.config.threads)
+            self.result["threads"] = torch.get_num_threads()
+            self._build()
+            self.active = True
+            self._steps(self.config.untimed_steps(), None)
+
+    def run_round(self, steps):
+        """Time ``steps`` more steps; their times become one entry of ``result["rounds"]``."""
+        if not self.active:
+            return
+        record = {"round": len(self.result["rounds"]), "first_step": self.step, "step_times_ms": [],
+                  "median_step_ms": None}
+        self.result["rounds"].append(record)
+        with self._guard():
+            self._steps(steps, record["step_times_ms"])
+        if record["step_times_ms"]:
+            record["median_step_ms"] = statistics.median(record["step_times_ms"])
+
+    def close(self):
+        """Undo the variant (deinitialize), restore the thread count; returns the finished result dict."""
+        self.active = False
+        with self._guard():
+            if self.runner is not None:
+                self.runner.close()
+        torch.set_num_threads(self._old_threads)
+        _finish(self.result, self.device, self.result["isolated"])
+        return self.result
+
+    @contextlib.contextmanager
+    def _guard(self):
+        try:
+            yield
+        except Exception as exc:  # the report carries it; the other variants still run
+            self.active = False
+            if self.result["status"] == "ok":
+                _fail(self.result, exc)
+
+    def _build(self):
+        job, config = as_job(self.job), self.config
+        torch.manual_seed(config.seed)
+        model = job.model_fn().to(self.device)
+        optimizer = job.optimizer_fn(model)
+        torch.manual_seed(config.seed + 1)
+        self.batches = _batches(job, config)
+        self.params = list(model.parameters())
+        self.model, self.optimizer = self.runner.setup(model, optimizer)
+        self.model.train()
+        self.job = job
+
+    def _steps(self, count, times):
+        for _ in range(count):
+            if not self.active:
+                return
+            batch = [t.to(self.device, non_blocking=True) if torch.is_tensor(t) else t for t in next(self.batches)]
+            loss = _measured_step(self.step, self, batch, times)
+            self.step += 1
+            if not _record(self.step - 1, loss, self.optimizer, self.runner, self.result):
+                self.active = False
+                self._note_nonfinite_params()
+                return
+            if self.on_step is not None:
+                self.on_step(self.step)
+
+    def _note_nonfinite_params(self):
+        bad = sum(not torch.isfinite(p).all() for p in self.model.parameters())
+        if bad:
+            self.result["error"] += (f"; {bad} parameter tensor(s) were already non-finite (the previous "
+                                     "optimizer step produced them)")
+
+
 def run_variant(job, variant, config, on_step=None, isolated=False):
-    """Train ``job`` for ``config.steps`` steps under ``variant``; returns the result dict (never raises
-    for a failure of the job or the variant: the result says ``failed`` with the error)."""
-    result = new_result(variant, isolated)
-    device = torch.device(config.device)
+    """Train ``job`` for ``config.steps`` steps under ``variant`` in one go; returns the result dict."""
+    run = VariantRun(job, variant, config, on_step=on_step, isolated=isolated)
+    run.setup()
+    for size in config.round_sizes():
+        run.run_round(size)
+    return run.close()
+
+
+def _memory_now_mib(device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        result["memory_at_start_mib"] = torch.cuda.memory_allocated(device) / 2 ** 20
-    else:
-        result["memory_at_start_mib"] = _rss_now_mib()
-    runner = make_variant(variant, config.half_dtype, config.device)
-    old_threads = torch.get_num_threads()
-    try:
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        result["threads"] = torch.get_num_threads()
-        _train(as_job(job), runner, config, result, on_step)
-    except Exception as exc:  # the report carries it; the other variants still run
-        _fail(result, exc)
-    finally:
-        runner.close()
-        torch.set_num_threads(old_threads)
-    _finish(result, device, isolated)
-    return result
+        return torch.cuda.memory_allocated(device) / 2 ** 20
+    return _rss_now_mib()
 
 
-def _train(job, runner, config, result, on_step):
-    device = torch.device(config.device)
-    torch.manual_seed(config.seed)
-    model = job.model_fn().to(device)
-    optimizer = job.optimizer_fn(model)
-    torch.manual_seed(config.seed + 1)
-    batches = _batches(job, config)
-    params = list(model.parameters())
-    model, optimizer = runner.setup(model, optimizer)
-    model.train()
-    for step in range(config.steps):
-        batch = [t.to(device, non_blocking=True) if torch.is_tensor(t) else t for t in next(batches)]
-        loss = _measured_step(step, model, optimizer, runner, job, batch, params, config, result)
-        if not _record(step, loss, optimizer, runner, result):
-            bad = sum(not torch.isfinite(p).all() for p in model.parameters())
-            if bad:
-                result["error"] += (f"; {bad} parameter tensor(s) were already non-finite (the previous "
-                                    "optimizer step produced them)")
-            return
-        if on_step is not None:
-            on_step(step + 1)
-
-
-def _measured_step(step, model, optimizer, runner, job, batch, params, config, result):
+def _measured_step(step, run, batch, times):
+    """One training step; counted (casts, syncs) when it is the count or sync step, timed into ``times``."""
+    config, args = run.config, (run.model, run.optimizer, run.runner, run.job, batch)
     if step == min(_COUNT_STEP, config.steps - 1):
-        counter = CastCounter(params)
+        counter = CastCounter(run.params)
         with counter:
-            loss = _one_step(model, optimizer, runner, job, batch)
-        result["casts_per_iteration"] = counter.casts
-        result["weight_casts_per_iteration"] = len(counter.param_casts)
-        result["distinct_weights_cast"] = len(set(counter.param_casts))
+            loss = _one_step(*args)
+        run.result["casts_per_iteration"] = counter.casts
+        run.result["weight_casts_per_iteration"] = len(counter.param_casts)
+        run.result["distinct_weights_cast"] = len(set(counter.param_casts))
         return loss
-    if step == _SYNC_STEP and torch.device(config.device).type == "cuda":
+    if step == _SYNC_STEP and run.device.type == "cuda":
         with count_syncs(config.device) as syncs:
-            loss = _one_step(model, optimizer, runner, job, batch)
-        result["syncs_per_step"] = len(syncs)
+            loss = _one_step(*args)
+        run.result["syncs_per_step"] = len(syncs)
         return loss
-    cuda = torch.device(config.device).type == "cuda"
+    cuda = run.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
-    loss = _one_step(model, optimizer, runner, job, batch)
+    loss = _one_step(*args)
     if cuda:
         torch.cuda.synchronize()
-    if step > 0:
-        result["step_times_ms"].append((time.perf_counter() - start) * 1e3)
+    if times is not None:
+        elapsed = (time.perf_counter() - start) * 1e3
+        times.append(elapsed)
+        run.result["step_times_ms"].append(elapsed)
     return loss
 
 
@@ -171,8 +247,10 @@ def _batches(job, config):
 def _finish(result, device, isolated):
     result["final_loss"] = result["losses"][-1] if result["losses"] else None
     result["final_loss_scale"] = result["loss_scales"][-1] if result["loss_scales"] else None
-    if result["step_times_ms"]:
-        result["median_step_ms"] = statistics.median(result["step_times_ms"])
+    medians = [r["median_step_ms"] for r in result["rounds"] if r["median_step_ms"] is not None]
+    if medians:  # the median over the rounds' medians, and their spread
+        result["median_step_ms"] = statistics.median(medians)
+        result["step_ms_min"], result["step_ms_max"] = min(medians), max(medians)
     if device.type == "cuda":
         result["peak_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
         result["memory_kind"] = "CUDA max allocated"
@@ -195,48 +273,6 @@ def _rss_peak_mib():
     return peak / 2 ** 20 if sys.platform == "darwin" else peak / 2 ** 10  # bytes on macOS, KiB on Linux
 
 
-# --- isolation -------------------------------------------------------------------------------------------
-
 def job_from_ref(ref):
     """A job reference as sent to a variant process: a ``module:function`` string or a picklable Job."""
     return load_job(ref) if isinstance(ref, str) else as_job(ref)
-
-
-def _child_main(conn, job_ref, variant, config):
-    try:
-        job = job_from_ref(job_ref)
-    except Exception as exc:
-        result = new_result(variant, True)
-        _fail(result, exc)
-    else:
-        result = run_variant(job, variant, config, on_step=lambda s: conn.send(("step", s)), isolated=True)
-    conn.send(("result", result))
-    conn.close()
-
-
-def run_isolated(job_ref, variant, config, on_step=None):
-    """Run the variant in a fresh spawned process; a crash of that process is reported as a failure."""
-    ctx = multiprocessing.get_context("spawn")
-    receiver, sender = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child_main, args=(sender, job_ref, variant, config), daemon=True)
-    proc.start()
-    sender.close()
-    result = None
-    try:
-        while True:
-            try:
-                kind, payload = receiver.recv()
-            except EOFError:
-                break
-            if kind == "result":
-                result = payload
-            elif on_step is not None:
-                on_step(payload)
-    finally:
-        receiver.close()
-        proc.join()
-    if result is None:
-        result = new_result(variant, True)
-        result.update(status="failed", pid=proc.pid,
-                      error=f"the variant's process exited with code {proc.exitcode} before reporting a result")
-    return result

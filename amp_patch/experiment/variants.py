@@ -10,25 +10,35 @@ import amp_patch
 from ..errors import ConfigError
 
 VARIANTS = ("fp32", "O1", "O2", "O3", "native")
-_ALIASES = {"o0": "fp32", "fp32": "fp32", "o1": "O1", "o2": "O2", "o3": "O3", "native": "native",
-            "autocast": "native"}
 _TO_COPY = torch.ops.aten._to_copy.default
 
 
 def parse_variants(variants):
-    """Canonical variant names from a sequence or a comma-separated string (``O0`` means ``fp32``)."""
+    """Canonical variant names from a sequence or a comma-separated string (``O0`` means ``fp32``).
+
+    Names are case-sensitive, as ``initialize(opt_level=...)`` is: ``o1`` is refused with a hint, in the CLI
+    (``--variants``) and in the API alike.
+    """
     if isinstance(variants, str):
         variants = [v for v in variants.split(",") if v.strip()]
     names = []
     for raw in variants:
-        name = _ALIASES.get(str(raw).strip().lower())
-        if name is None:
-            raise ConfigError(f"variant {raw!r}; allowed: {', '.join(VARIANTS)} (O0 is an alias of fp32)")
+        name = "fp32" if str(raw).strip() == "O0" else str(raw).strip()
+        if name not in VARIANTS:
+            raise ConfigError(f"variant {raw!r}; allowed: {', '.join(VARIANTS)} (O0 is an alias of fp32)"
+                              + _case_hint(name))
         if name not in names:
             names.append(name)
     if not names:
         raise ConfigError(f"no variants given; allowed: {', '.join(VARIANTS)}")
     return tuple(names)
+
+
+def _case_hint(name):
+    for known in VARIANTS + ("O0",):
+        if name.lower() == known.lower():
+            return f". Variant names are case-sensitive, like initialize's opt_level: use {known!r}"
+    return ""
 
 
 class AmpVariant:

@@ -4,7 +4,8 @@
   ``__main__`` with the ``apex`` alias installed; :func:`run_script` is the same call in Python.
 - :func:`install_apex_alias` installs the alias in this process (notebooks, launchers); it returns a
   handle whose ``uninstall()`` (or ``with`` block) removes it again; :func:`uninstall_apex_alias` too.
-- ``from amp_patch.legacy import amp`` is the one-line edit alternative: the same module ``apex.amp`` gives.
+- ``from amp_patch.legacy import amp`` is the one-line edit alternative: the same functions ``apex.amp`` has
+  under the alias (a distinct module object).
 - ``amp.init()`` (Apex's old handle API) is in :mod:`amp_patch.legacy.handle`; ``apex.amp._amp_state`` (a live
   view of the session) in :mod:`amp_patch.legacy.amp_state`.
 - The other Apex modules the alias serves (``apex.parallel``, ``apex.optimizers``, ..., ``amp_C``, ``apex_C``)

@@ -261,7 +261,7 @@ class AliasHandle:
                         setattr(apex, key, self._saved_apex_attrs[key])
                     else:
                         delattr(apex, key)
-        log.debug("amp_patch: apex alias removed")
+        log.debug("apex alias removed")
 
 
 def install_apex_alias(force=False):
@@ -292,7 +292,7 @@ def install_apex_alias(force=False):
         except BaseException:
             handle._restore()
             raise
-    log.debug("amp_patch: apex alias installed (real apex: %s, forced: %s)", real, force)
+    log.debug("apex alias installed (real apex: %s, forced: %s)", real, force)
     return handle
 
 

@@ -1,10 +1,12 @@
 """``amp-patch run script.py [args...]``: run an Apex script unmodified, with the ``apex`` alias installed."""
 import argparse
+import importlib.util
 import os
 import runpy
 import sys
 
 from .. import frontend
+from ..errors import AmpPatchError
 from .alias import install_apex_alias
 
 _EPILOG = """\
@@ -12,7 +14,8 @@ The script runs as __main__ with sys.argv = [script.py, args...], exactly as `py
 would run it, except that `import apex` / `from apex import amp` (and the other apex modules amp_patch
 provides, see docs/migration.md) resolve to amp_patch. With torchrun:
   torchrun --nproc_per_node=2 -m amp_patch run train.py --opt-level O1
-Exit status: the script's (SystemExit code, 0 when it returns, 1 on an uncaught exception)."""
+Exit status: the script's (SystemExit code, 0 when it returns, 1 on an uncaught exception); 2 with one line on
+stderr when the script or module is not found or a real apex.amp is installed (see --force)."""
 
 
 def add_parser(subparsers):
@@ -36,8 +39,33 @@ def add_parser(subparsers):
 
 
 def run_command(args):
-    """The ``run`` subcommand: returns the script's exit status."""
+    """The ``run`` subcommand: returns the script's exit status (2 when it cannot start)."""
+    problem = _cannot_start(args.target, args.module)
+    if problem is None:
+        try:
+            alias = install_apex_alias(force=args.force)  # refuses before the script runs when apex.amp is real
+        except AmpPatchError as exc:
+            problem = str(exc)
+        else:
+            alias.uninstall()
+    if problem is not None:
+        sys.stderr.write(f"amp-patch run: error: {problem}\n")
+        return 2
     return run_script(args.target, args.args, force=args.force, module=args.module)
+
+
+def _cannot_start(target, module):
+    """Why ``target`` cannot run (a one-line message), or None."""
+    if not module:
+        return None if os.path.isfile(target) else f"no such script: {target!r}"
+    sys.path.insert(0, os.getcwd())  # what `python -m` searches first
+    try:
+        found = importlib.util.find_spec(target) is not None
+    except (ImportError, ValueError):  # a missing parent package, or a malformed name
+        found = False
+    finally:
+        sys.path.pop(0)
+    return None if found else f"no module named {target!r} (searched the current directory and sys.path)"
 
 
 def run_script(target, argv=(), *, force=False, module=False):

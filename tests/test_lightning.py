@@ -3,6 +3,7 @@
 Tiny models, a few steps each (a Trainer's start-up costs about a second here). References are the same runs
 without the plugin (fp32), with the tolerances stated at each comparison.
 """
+import gc
 import math
 import os
 import sys
@@ -438,6 +439,7 @@ def test_fabric_backward_keeps_grads_scaled_inside_ddp_no_sync(tmp_path):
     torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(str(tmp_path / "s"), 1),
                                          rank=0, world_size=1)
     plugin = AmpPatchFabricPrecision("O2", **FP16)
+    ddp = None
     try:
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 1, bias=False)
@@ -457,4 +459,6 @@ def test_fabric_backward_keeps_grads_scaled_inside_ddp_no_sync(tmp_path):
         torch.testing.assert_close(master.grad, ref.grad, rtol=1e-2, atol=1e-4)  # the 2 micro-batches, unscaled
     finally:
         plugin.teardown()
+        del ddp  # DDP's reducer must go before its process group: freed after it, gloo's destructor can hang
+        gc.collect()
         torch.distributed.destroy_process_group()

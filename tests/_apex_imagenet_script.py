@@ -122,7 +122,7 @@ def main():
     flat = apex_C.flatten(params)
     assert all(torch.equal(a, b) for a, b in zip(apex_C.unflatten(flat, params), params))
     print(f"rank {rank} checksum {flat.double().sum().item():.6f} dtypes "
-          f"{sorted({str(p.dtype) for p in model.parameters()})}")
+          f"{sorted({str(p.dtype) for p in model.parameters()})}", flush=True)
     if args.distributed:
         dist.destroy_process_group()
 

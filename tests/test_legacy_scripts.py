@@ -48,7 +48,8 @@ def no_alias_leak():
 
 # -- the ImageNet example shape -----------------------------------------------------------------------------
 _STEP = re.compile(r"step (\d+) loss (\d+\.\d+) grad norm (\d+\.\d+) amp_C (\d+\.\d+)")
-_CHECKSUM = re.compile(r"rank (\d) checksum (-?\d+\.\d+) dtypes (.*)")
+# (ranks share torchrun's stdout: a line may hold both ranks' prints, so nothing here runs to the line's end)
+_CHECKSUM = re.compile(r"rank (\d) checksum (-?\d+\.\d+) dtypes (\[[^\]]*\])")
 
 
 def _steps(out):

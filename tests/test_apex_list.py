@@ -1,6 +1,5 @@
 """Apex O1 behaviours of the shipped ``apex`` op list (fp16 on CPU), and data checks of every shipped list."""
 import collections
-import pathlib
 
 import pytest
 import yaml

@@ -44,16 +44,43 @@ class CountCasts(TorchDispatchMode):
         return out
 
 
+def _descendants(pid):
+    """Every live process below pid (torchrun starts its workers in sessions of their own, so a process group
+    does not reach them; /proc's parent links do). Read before anything is killed: orphans move to init."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def run_killing_group(cmd, cwd, env=None, timeout=120):
-    """subprocess.run that, on timeout, kills the launcher's whole process group (torchrun's workers too) and
-    fails the test; stdout and stderr are captured separately."""
+    """subprocess.run that, on timeout, kills the launcher and everything it started (torchrun's workers live in
+    sessions of their own and hold the output pipes), then fails the test; stdout and stderr are captured
+    separately."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(cwd), env=env,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        for pid in [proc.pid, *_descendants(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            out, err = "(output pipes still held open)", ""
         pytest.fail(f"{' '.join(map(str, cmd))} timed out after {timeout}s:\n{out[-3000:]}\n{err[-3000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 

@@ -15,6 +15,8 @@ Rules the helpers rely on (see docs/distributed.md):
 import contextlib
 import functools
 import logging
+import sys
+import time
 
 import torch
 
@@ -48,8 +50,26 @@ def agree_overflow(found_inf, device=None):
     if dist is None:
         return found_inf
     flag = torch.tensor([1.0 if found_inf else 0.0], device=device if device is not None else _flag_device(dist))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    _all_reduce_and_let_go(dist, flag, dist.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def _all_reduce_and_let_go(dist, tensor, op, limit_s=1.0):
+    """A blocking all-reduce that, under gloo, also yields the GIL until the worker thread dropped ``tensor``.
+
+    The collective returns as soon as its work completes; gloo's worker drops the work's tensors a moment later,
+    and while a C++ reference exists torch keeps one on the tensor's Python object, so that drop takes the GIL.
+    After a script's last step the worker could then need the GIL during interpreter shutdown (the process
+    aborts: "terminate called without an active exception") or while the main thread holds it in a process
+    group's destructor (the process hangs). The extra Python reference shows in sys.getrefcount.
+    """
+    refs = sys.getrefcount(tensor)
+    dist.all_reduce(tensor, op=op)
+    if dist.get_backend() != "gloo":
+        return
+    deadline = time.monotonic() + limit_s
+    while sys.getrefcount(tensor) > refs and time.monotonic() < deadline:
+        time.sleep(0)  # releases the GIL
 
 
 def world_size():

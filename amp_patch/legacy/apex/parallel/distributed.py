@@ -149,6 +149,16 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.register_comm_hook(_ApexReduction(self.process_group, self.gradient_average, predivide,
                                                    self.allreduce_always_fp32), _apex_allreduce_hook)
 
+    def __del__(self):
+        # torch's gloo group joins its worker threads in its destructor. When the C++ reducer holds the group's last
+        # reference (the script called destroy_process_group() before its model went), that destructor runs with
+        # the GIL held, and a worker that needs the GIL to drop the tensors of its last finished work never
+        # returns: the process hangs at exit (about 1 exit in 25 on 2 CPU ranks). Dropping the reducer (and the
+        # logger that shares it) first leaves the last reference to this module's Python process_group object,
+        # whose destructor releases the GIL before joining.
+        for name in ("logger", "reducer"):
+            self.__dict__.pop(name, None)
+
 
 def _short(value):
     """repr for a log line; a list of params or communicators is summarised by its length."""

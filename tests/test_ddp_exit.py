@@ -1,0 +1,57 @@
+"""Exits of distributed scripts (issue 13, item 5): a good run must not end in an abort or a hang.
+
+torch's part: gloo's worker threads drop a finished collective's tensors a moment after the collective returns,
+and that drop takes the GIL when the tensor has a Python object. If the interpreter is shutting down by then the
+process aborts; if the main thread holds the GIL inside a process group's destructor it hangs. amp_patch's own
+per-step collective (the overflow flag) therefore waits until the worker let go of its tensor, and
+apex.parallel.DistributedDataParallel frees its reducer before its Python reference to the group.
+"""
+import os
+import subprocess
+import sys
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from amp_patch import distributed as amp_dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "_ddp_exit_script.py")
+
+
+class _SlowWorkerDist:
+    """Stands in for torch.distributed with a gloo worker that holds the tensor `hold_s` after returning."""
+    ReduceOp = types.SimpleNamespace(MAX="max")
+
+    def __init__(self, backend, hold_s):
+        self.backend, self.hold_s = backend, hold_s
+
+    def get_backend(self):
+        return self.backend
+
+    def all_reduce(self, tensor, op):
+        held = [tensor]
+        threading.Thread(target=lambda: (time.sleep(self.hold_s), held.clear()), daemon=True).start()
+
+
+def test_the_overflow_all_reduce_returns_only_after_the_gloo_worker_let_go():
+    flag = torch.zeros(1)
+    refs = sys.getrefcount(flag)
+    amp_dist._all_reduce_and_let_go(_SlowWorkerDist("gloo", 0.05), flag, "max")
+    assert sys.getrefcount(flag) == refs
+
+
+def test_the_wait_is_bounded_and_only_under_gloo():
+    flag = torch.zeros(1)
+    start = time.monotonic()
+    amp_dist._all_reduce_and_let_go(_SlowWorkerDist("gloo", 1.0), flag, "max", limit_s=0.1)
+    assert time.monotonic() - start < 0.6
+
+    flag = torch.zeros(1)
+    refs = sys.getrefcount(flag)
+    start = time.monotonic()
+    amp_dist._all_reduce_and_let_go(_SlowWorkerDist("nccl", 0.5), flag, "max")
+    assert time.monotonic() - start < 0.3 and sys.getrefcount(flag) == refs + 1  # NCCL's watchdog: not waited for

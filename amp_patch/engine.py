@@ -95,7 +95,7 @@ class CastingEngine:
             self.scopes.detach()
             self.scopes.attach(models)
             for scope in unmatched_globs(self.scopes.scopes, models):
-                log.warning("amp_patch: scope %r (%s:%s) matches no module of the model(s); it has no effect. "
+                log.warning("scope %r (%s:%s) matches no module of the model(s); it has no effect. "
                             "Module paths are as model.named_modules() spells them (check with amp-patch "
                             "validate --job MODULE:FUNCTION)", scope.glob, scope.path, scope.line)
 

@@ -128,7 +128,7 @@ def _guard_zero_grad(session):
     session.undo.append(patcher.restore_all)
     for state in session.opt_states.values():
         if state.pairs and type(state.optimizer).zero_grad is not torch.optim.Optimizer.zero_grad:
-            log.warning("amp_patch: %s overrides zero_grad(); after a failed batch also call model.zero_grad() "
+            log.warning("%s overrides zero_grad(); after a failed batch also call model.zero_grad() "
                         "to clear the half model grads", type(state.optimizer).__name__)
 
 

@@ -89,7 +89,7 @@ class Patcher:
                 failures.append(f"{_qualname(patch.target)}.{patch.name}")
             count += 1
         if failures:
-            log.warning("amp_patch left %d attribute(s) as someone else re-patched them after amp_patch: %s",
+            log.warning("left %d attribute(s) as someone else re-patched them after amp_patch: %s",
                         len(failures), ", ".join(failures))
         return count
 

@@ -93,6 +93,17 @@ def test_convert_syncbn_model_keeps_params_and_statistics(one_rank):
     assert type(alone) is SyncBatchNorm
 
 
+def test_apex_ddp_wraps_a_converted_model_on_cpu_but_torch_syncbn_stays_refused(one_rank):
+    """torch's DDP refuses SyncBatchNorm on CPU; apex's SyncBatchNorm has a gloo path of its own, torch's has not."""
+    ddp = DistributedDataParallel(convert_syncbn_model(torch.nn.Sequential(torch.nn.Conv2d(2, 3, 1),
+                                                                           torch.nn.BatchNorm2d(3))))
+    ddp(torch.randn(2, 2, 3, 3)).sum().backward()
+    del ddp
+    torch_syncbn = torch.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(3)))
+    with pytest.raises(ValueError, match="SyncBatchNorm layers only work with GPU modules"):
+        DistributedDataParallel(torch_syncbn)
+
+
 def test_fuse_relu_and_residual(one_rank):
     bn = SyncBatchNorm(3, fuse_relu=True).eval()
     x, z = torch.randn(2, 3, 4), torch.randn(2, 3, 4)

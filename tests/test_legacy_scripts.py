@@ -87,9 +87,6 @@ def test_imagenet_shape_one_process_learns_and_resumes_exactly(level, optimizer,
     assert _CHECKSUM.search(resumed).group(2) == _CHECKSUM.search(full).group(2)
 
 
-_CPU_SYNCBN_IN_DDP = "SyncBatchNorm layers only work with GPU modules"
-
-
 @needs_apex_modules
 @pytest.mark.parametrize("level,optimizer,sync_bn", [("O1", "fusedsgd", False), ("O2", "fusedadam", False),
                                                      ("O2", "fusedadam", True)])
@@ -98,9 +95,6 @@ def test_imagenet_shape_under_torchrun_two_ranks(level, optimizer, sync_bn, tmp_
            "run", IMAGENET, "--opt-level", level, "--optimizer", optimizer, "--steps", "6"]
     proc = run_killing_group(cmd + ["--sync_bn"] * sync_bn, tmp_path, dict(os.environ, OMP_NUM_THREADS="1"),
                              timeout=240)
-    if sync_bn and proc.returncode != 0 and _CPU_SYNCBN_IN_DDP in proc.stderr:
-        pytest.xfail("issue 11 (modules branch): apex DistributedDataParallel on CPU refuses a model converted by "
-                     f"convert_syncbn_model (torch DDP: {_CPU_SYNCBN_IN_DDP!r})")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     steps = _steps(proc.stdout)
     assert [s[0] for s in steps] == list(range(1, 7))

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ....errors import ConfigError
+from .sync_batchnorm import SyncBatchNorm
 
 log = logging.getLogger("amp_patch")
 
@@ -148,6 +149,14 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if not self.gradient_average or predivide != 1.0 or self.allreduce_always_fp32:
             self.register_comm_hook(_ApexReduction(self.process_group, self.gradient_average, predivide,
                                                    self.allreduce_always_fp32), _apex_allreduce_hook)
+
+    def _passing_sync_batchnorm_handle(self, module):
+        # torch's DDP refuses every SyncBatchNorm on CPU; this package's SyncBatchNorm all-reduces its statistics
+        # itself there (gloo), so only other SyncBatchNorm layers meet torch's check.
+        torch_only = torch.nn.ModuleList(layer for layer in module.modules()
+                                         if isinstance(layer, torch.nn.SyncBatchNorm)
+                                         and not isinstance(layer, SyncBatchNorm))
+        super()._passing_sync_batchnorm_handle(torch_only)
 
     def __del__(self):
         # torch's gloo group joins its worker threads in its destructor. When the C++ reducer holds the group's last

@@ -172,19 +172,43 @@ def _refuse_lbfgs(optimizer):
                          "amp_patch decided whether to skip the step. Use another optimizer, or drop the plugin")
 
 
-class AmpPatchPrecision(_TrainerPrecisionBase):
-    """amp_patch for ``lightning.Trainer(plugins=[AmpPatchPrecision(opt_level, **initialize_keywords)])``.
+class _SessionPlugin:
+    """What both plugins do alike: hold one :class:`_AmpSession`, name it, and hand its state to Lightning.
 
-    ``initialize_keywords`` are those of ``amp_patch.initialize`` (``half_dtype``, ``loss_scale``,
-    ``keep_batchnorm_fp32``, ``op_lists``, ...). Do not also pass ``precision=`` to the Trainer.
+    Listed before Lightning's ``Precision`` in the bases, so these methods replace that class's defaults.
     """
+
+    _plugin_name = None  # the public class's name, for repr and error messages
 
     def __init__(self, opt_level="O1", **initialize_keywords):
         self._amp = _AmpSession(opt_level, initialize_keywords)
         self.precision = _precision_name(opt_level, initialize_keywords)
 
     def __repr__(self):
-        return f"AmpPatchPrecision(opt_level={self._amp.opt_level!r})"
+        return f"{self._plugin_name}(opt_level={self._amp.opt_level!r})"
+
+    def teardown(self):
+        self._amp.stop()
+
+    def main_params(self, optimizer):
+        return self._amp.main_params(optimizer)
+
+    # -- checkpoints: Lightning stores this under checkpoint[<the plugin's class name>] -------------------------
+    def state_dict(self):
+        return self._amp.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self._amp.load_state_dict(state_dict)
+
+
+class AmpPatchPrecision(_SessionPlugin, _TrainerPrecisionBase):
+    """amp_patch for ``lightning.Trainer(plugins=[AmpPatchPrecision(opt_level, **initialize_keywords)])``.
+
+    ``initialize_keywords`` are those of ``amp_patch.initialize`` (``half_dtype``, ``loss_scale``,
+    ``keep_batchnorm_fp32``, ``op_lists``, ...). Do not also pass ``precision=`` to the Trainer.
+    """
+
+    _plugin_name = "AmpPatchPrecision"
 
     # -- setup (Strategy.setup order: convert_module, DDP wrap, configure_optimizers, connect) ------------------
     def convert_module(self, module):
@@ -193,15 +217,12 @@ class AmpPatchPrecision(_TrainerPrecisionBase):
             raise UsageError(f"AmpPatchPrecision works with the single-device and DDP strategies; got "
                              f"{type(strategy).__name__}. Use strategy='auto' or 'ddp' (or 'ddp_spawn'), or "
                              "Lightning's own precision= flag with this strategy")
-        self._amp.start(module, "AmpPatchPrecision")
+        self._amp.start(module, self._plugin_name)
         return module
 
     def connect(self, model, optimizers, lr_schedulers):
         self._amp.attach([_raw(opt) for opt in optimizers])
         return model, optimizers, lr_schedulers
-
-    def teardown(self):
-        self._amp.stop()
 
     def convert_input(self, data):
         """O2/O3: the Trainer's loops pass each batch here; training_step often calls submodules (``self.net(x)``),
@@ -231,18 +252,8 @@ class AmpPatchPrecision(_TrainerPrecisionBase):
             return None  # training_step returned None: Lightning skipped the backward, nothing to step
         return optimizer.step(**kwargs)
 
-    def main_params(self, optimizer):
-        return self._amp.main_params(optimizer)
 
-    # -- checkpoints: Lightning stores this under checkpoint["AmpPatchPrecision"] ------------------------------
-    def state_dict(self):
-        return self._amp.state_dict()
-
-    def load_state_dict(self, state_dict):
-        self._amp.load_state_dict(state_dict)
-
-
-class AmpPatchFabricPrecision(_FabricPrecisionBase):
+class AmpPatchFabricPrecision(_SessionPlugin, _FabricPrecisionBase):
     """amp_patch for ``lightning.Fabric(plugins=AmpPatchFabricPrecision(opt_level, **initialize_keywords))``.
 
     Set up one module (``fabric.setup(model, *optimizers)``); ``fabric.backward(loss)`` scales the loss,
@@ -251,15 +262,10 @@ class AmpPatchFabricPrecision(_FabricPrecisionBase):
     ``precision.teardown()`` when done (Fabric does not).
     """
 
-    def __init__(self, opt_level="O1", **initialize_keywords):
-        self._amp = _AmpSession(opt_level, initialize_keywords)
-        self.precision = _precision_name(opt_level, initialize_keywords)
-
-    def __repr__(self):
-        return f"AmpPatchFabricPrecision(opt_level={self._amp.opt_level!r})"
+    _plugin_name = "AmpPatchFabricPrecision"
 
     def convert_module(self, module):
-        self._amp.start(module, "AmpPatchFabricPrecision")
+        self._amp.start(module, self._plugin_name)
         return module
 
     def backward(self, tensor, model, *args, **kwargs):
@@ -287,15 +293,3 @@ class AmpPatchFabricPrecision(_FabricPrecisionBase):
         """Fabric's clip_gradients calls this first: grads are unscaled when scale_loss exits; a first-seen
         optimizer is attached here with the grads of the backward that came before."""
         self._amp.attach([optimizer], unscale=True)
-
-    def main_params(self, optimizer):
-        return self._amp.main_params(optimizer)
-
-    def state_dict(self):
-        return self._amp.state_dict()
-
-    def load_state_dict(self, state_dict):
-        self._amp.load_state_dict(state_dict)
-
-    def teardown(self):
-        self._amp.stop()

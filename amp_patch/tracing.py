@@ -184,15 +184,18 @@ def _module_names():
 
 
 @contextlib.contextmanager
-def _module_tracking(tracer):
-    names = _module_names()
+def running_modules(names, stack):
+    """While the body runs, ``stack`` holds the names of the modules whose forward is running (innermost last).
 
+    ``names`` maps ``id(module)`` to its name; a module missing from it is named by its class. Used by
+    :func:`trace` and by the precision doctor's replay.
+    """
     def enter(module, args):
-        tracer.module_stack.append(names.get(id(module), type(module).__name__))
+        stack.append(names.get(id(module), type(module).__name__))
 
     def leave(module, args, out):
-        if tracer.module_stack:
-            tracer.module_stack.pop()
+        if stack:
+            stack.pop()
 
     pre = torch.nn.modules.module.register_module_forward_pre_hook(enter)
     post = torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)
@@ -216,7 +219,7 @@ def trace(modules=True, unpatched=True):
         _retrace(engine, tracer)
         stack.callback(_retrace, engine, previous)
         if modules:
-            stack.enter_context(_module_tracking(tracer))
+            stack.enter_context(running_modules(_module_names(), tracer.module_stack))
         if unpatched:
             originals = {id(p.original) for p in engine.patcher.patches}
             stack.enter_context(_UnpatchedCalls(tracer, originals))

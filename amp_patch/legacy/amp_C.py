@@ -46,6 +46,31 @@ def _bias_corrections(beta1, beta2, step, bias_correction):
     return 1.0 - beta1 ** step, 1.0 - beta2 ** step
 
 
+def _adam_update(g, p, m, v, betas, corrections, eps, mode, weight_decay):
+    """Advance the moments ``m``, ``v`` in place and return Adam's update ``m_hat / (sqrt(v_hat) + eps)``.
+
+    ``betas`` is ``(beta1, weight of the grad in m, beta2)``, ``corrections`` the bias corrections
+    ``(bc1, bc2)``; mode 0 adds L2 decay to the grad (a new list: ``g`` may be the caller's grads), mode 1
+    adds decoupled decay to the update.
+    """
+    beta1, beta3, beta2 = betas
+    bc1, bc2 = corrections
+    if mode == 0 and weight_decay != 0:
+        g = torch._foreach_add(g, p, alpha=weight_decay)
+    torch._foreach_mul_(m, beta1)
+    torch._foreach_add_(m, g, alpha=beta3)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+    denom = torch._foreach_div(v, bc2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    update = torch._foreach_div(m, bc1)
+    torch._foreach_div_(update, denom)
+    if mode == 1 and weight_decay != 0:
+        torch._foreach_add_(update, p, alpha=weight_decay)
+    return update
+
+
 # -- elementwise --------------------------------------------------------------------------------------
 def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     """``out[i] = in[i] * scale`` for ``tensor_lists = [in, out]``; flags inf/NaN in the inputs."""
@@ -101,19 +126,7 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     bc1, bc2 = _bias_corrections(beta1, beta2, step, bias_correction)
     with torch.no_grad():
         g, p, m, v = _fp32(grads), _fp32(params), _fp32(exp_avg), _fp32(exp_avg_sq)
-        if mode == 0 and weight_decay != 0:
-            g = torch._foreach_add(g, p, alpha=weight_decay)
-        torch._foreach_mul_(m, beta1)
-        torch._foreach_add_(m, g, alpha=1 - beta1)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, g, g, value=1 - beta2)
-        denom = torch._foreach_div(v, bc2)
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, eps)
-        update = torch._foreach_div(m, bc1)
-        torch._foreach_div_(update, denom)
-        if mode == 1 and weight_decay != 0:
-            torch._foreach_add_(update, p, alpha=weight_decay)
+        update = _adam_update(g, p, m, v, (beta1, 1 - beta1, beta2), (bc1, bc2), eps, mode, weight_decay)
         torch._foreach_add_(p, update, alpha=-lr)
         for target, value in ((params, p), (exp_avg, m), (exp_avg_sq, v)):
             _write_back(target, value)
@@ -171,19 +184,7 @@ def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
         clip = torch.where(gnorm > max_grad_norm, gnorm / max_grad_norm, torch.ones_like(gnorm))
         g, p, m, v = _fp32(grads), _fp32(params), _fp32(exp_avg), _fp32(exp_avg_sq)
         g = torch._foreach_div(g, clip)
-        if mode == 0 and weight_decay != 0:
-            torch._foreach_add_(g, p, alpha=weight_decay)
-        torch._foreach_mul_(m, beta1)
-        torch._foreach_add_(m, g, alpha=beta3)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, g, g, value=1 - beta2)
-        denom = torch._foreach_div(v, bc2)
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, eps)
-        update = torch._foreach_div(m, bc1)
-        torch._foreach_div_(update, denom)
-        if mode == 1 and weight_decay != 0:
-            torch._foreach_add_(update, p, alpha=weight_decay)
+        update = _adam_update(g, p, m, v, (beta1, beta3, beta2), (bc1, bc2), eps, mode, weight_decay)
         torch._foreach_mul_(update, _trust_ratios(p, update, lr, weight_decay, use_nvlamb))
         torch._foreach_sub_(p, update)
         for target, value in ((params, p), (exp_avg, m), (exp_avg_sq, v)):

@@ -4,7 +4,6 @@ A TorchFunctionMode sees every torch call with the arguments the casting wrapper
 dtypes each op really ran in. An op is the origin of a bad value when its floating inputs are all finite and
 its output holds inf/NaN or, in a half dtype, magnitudes beyond the dtype's largest finite value.
 """
-import contextlib
 import dataclasses
 import math
 
@@ -13,6 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _state, frontend
 from ..casting import HALF_DTYPES, cast_tree, iter_tensors
+from ..tracing import running_modules
 
 _MAX_EVENTS = 32
 _CASTS = frozenset(("half", "bfloat16", "to", "type"))  # a wrapper's cast of an fp32 argument into half
@@ -162,26 +162,6 @@ def _float_max(func, args, kwargs):
         return None
 
 
-@contextlib.contextmanager
-def _module_stack(model, stack):
-    names = {id(m): name for name, m in model.named_modules()}
-
-    def enter(module, args):
-        stack.append(names.get(id(module), type(module).__name__))
-
-    def leave(module, args, out):
-        if stack:
-            stack.pop()
-
-    pre = torch.nn.modules.module.register_module_forward_pre_hook(enter)
-    post = torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)
-    try:
-        yield
-    finally:
-        pre.remove()
-        post.remove()
-
-
 def _patched_entries():
     engine = _state.active_engine()
     if engine is None:
@@ -201,7 +181,8 @@ def replay(job, state, batch, *, half_dtype, op_lists, precise=False):
         limit = math.inf if precise else torch.finfo(half_dtype).max
         stack = []
         watch = _Watch(limit, _patched_entries(), stack)
-        with _module_stack(model, stack), watch:
+        names = {id(m): name for name, m in model.named_modules()}
+        with running_modules(names, stack), watch:
             loss = job.loss_fn(model(*inputs), target)
             watch.flush()
             loss.float().backward()

@@ -1,5 +1,6 @@
 """What the Fused* optimizers share: Apex's ``zero_grad``/``set_grad_none``, collecting a group's grads,
-one-line notes for arguments that have no effect here, and argument checks."""
+running the step's closure, fp32 state buffers, one-line notes for arguments that have no effect here, and
+argument checks."""
 import logging
 
 import torch
@@ -40,6 +41,21 @@ class FusedOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _noop_flag(device):
         return torch.zeros(1, dtype=torch.int, device=device)
+
+
+def closure_loss(closure):
+    """``closure()``'s loss, computed with grad enabled (None without a closure), as torch.optim's step does."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def fp32_buffer(p, state, key):
+    """``state[key]``, created as fp32 zeros shaped like ``p`` (fp32 for half params too) on first use."""
+    if key not in state:
+        state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    return state[key]
 
 
 def refuse_amsgrad(name, amsgrad):

@@ -1,8 +1,6 @@
 """``apex.optimizers.FusedAdagrad``: Adagrad with Apex's arguments (``adagrad_w_mode``), on foreach math."""
-import torch
-
 from ... import amp_C
-from ._base import FusedOptimizer, by_device
+from ._base import FusedOptimizer, by_device, closure_loss, fp32_buffer
 
 
 class FusedAdagrad(FusedOptimizer):
@@ -16,17 +14,10 @@ class FusedAdagrad(FusedOptimizer):
 
     def step(self, closure=None):
         """One Adagrad step for every param with a grad; returns ``closure()``'s loss when given one."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for device, pairs in by_device(self._with_grads(group)).items():
-                sums = []
-                for p, state in pairs:
-                    if "sum" not in state:
-                        state["sum"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-                    sums.append(state["sum"])
+                sums = [fp32_buffer(p, state, "sum") for p, state in pairs]
                 amp_C.multi_tensor_adagrad(0, self._noop_flag(device), [[p.grad for p, _ in pairs],
                                                                         [p for p, _ in pairs], sums],
                                            group["lr"], group["eps"], self.adagrad_w_mode, group["weight_decay"])

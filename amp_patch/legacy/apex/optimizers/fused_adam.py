@@ -1,9 +1,7 @@
 """``apex.optimizers.FusedAdam``: Adam / AdamW with Apex's arguments and state layout, on foreach math."""
-import torch
-
 from ... import amp_C
 from ....errors import ConfigError, UsageError
-from ._base import FusedOptimizer, advance_step, by_device, note_no_effect, refuse_amsgrad
+from ._base import FusedOptimizer, advance_step, by_device, closure_loss, fp32_buffer, note_no_effect, refuse_amsgrad
 
 
 class FusedAdam(FusedOptimizer):
@@ -36,10 +34,7 @@ class FusedAdam(FusedOptimizer):
         if any(x is not None for x in (grads, output_params, scale, grad_norms)):
             raise UsageError("FusedAdam.step() takes no grads/output_params/scale/grad_norms (Apex's old API): "
                              "build it like torch.optim.Adam and call step() with no arguments.")
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             items = self._with_grads(group)
             if not items:
@@ -48,15 +43,9 @@ class FusedAdam(FusedOptimizer):
             beta1, beta2 = group["betas"]
             for device, pairs in by_device(items).items():
                 lists = [[p.grad for p, _ in pairs], [p for p, _ in pairs],
-                         [self._moment(p, s, "exp_avg") for p, s in pairs],
-                         [self._moment(p, s, "exp_avg_sq") for p, s in pairs]]
+                         [fp32_buffer(p, s, "exp_avg") for p, s in pairs],
+                         [fp32_buffer(p, s, "exp_avg_sq") for p, s in pairs]]
                 amp_C.multi_tensor_adam(0, self._noop_flag(device), lists, group["lr"], beta1, beta2,
                                         group["eps"], step, self.adam_w_mode, 1 if group["bias_correction"] else 0,
                                         group["weight_decay"])
         return loss
-
-    @staticmethod
-    def _moment(p, state, key):
-        if key not in state:
-            state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        return state[key]

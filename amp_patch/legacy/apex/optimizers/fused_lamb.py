@@ -3,7 +3,7 @@ import torch
 
 from ... import amp_C
 from ....errors import ConfigError
-from ._base import FusedOptimizer, advance_step, by_device, refuse_amsgrad
+from ._base import FusedOptimizer, advance_step, by_device, closure_loss, fp32_buffer, refuse_amsgrad
 
 
 class FusedLAMB(FusedOptimizer):
@@ -35,10 +35,7 @@ class FusedLAMB(FusedOptimizer):
 
     def step(self, closure=None):
         """One LAMB step for every param with a grad; returns ``closure()``'s loss when given one."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         groups = [(group, self._with_grads(group)) for group in self.param_groups]
         grads = [p.grad for _, items in groups for p, _ in items]
         if not grads:
@@ -65,10 +62,8 @@ class FusedLAMB(FusedOptimizer):
         for device, pairs in by_device(items).items():
             lists = [[p.grad for p, _ in pairs], [p for p, _ in pairs], [], []]
             for p, state in pairs:
-                for key, out in (("exp_avg", lists[2]), ("exp_avg_sq", lists[3])):
-                    if key not in state:
-                        state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-                    out.append(state[key])
+                lists[2].append(fp32_buffer(p, state, "exp_avg"))
+                lists[3].append(fp32_buffer(p, state, "exp_avg_sq"))
             amp_C.multi_tensor_lamb(0, self._noop_flag(device), lists, group["lr"], beta1, beta2, group["eps"],
                                     step, 1 if group["bias_correction"] else 0, group["weight_decay"],
                                     1 if group["grad_averaging"] else 0, self.adam_w_mode, global_norm.to(device),

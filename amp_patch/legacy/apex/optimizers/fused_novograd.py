@@ -3,7 +3,7 @@ import torch
 
 from ... import amp_C
 from ....errors import ConfigError, UsageError
-from ._base import FusedOptimizer, advance_step, refuse_amsgrad
+from ._base import FusedOptimizer, advance_step, closure_loss, fp32_buffer, refuse_amsgrad
 
 
 class FusedNovoGrad(FusedOptimizer):
@@ -29,10 +29,7 @@ class FusedNovoGrad(FusedOptimizer):
 
     def step(self, closure=None):
         """One NovoGrad step for every param with a grad; returns ``closure()``'s loss when given one."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             items = self._with_grads(group)
             if items:
@@ -56,10 +53,8 @@ class FusedNovoGrad(FusedOptimizer):
                                  f"param_group['exp_avg_sq'] need the same params to have grads every step")
             if not pairs:
                 continue
-            for p, state in pairs:
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            lists = [[p.grad for p, _ in pairs], [p for p, _ in pairs], [s["exp_avg"] for _, s in pairs]]
+            lists = [[p.grad for p, _ in pairs], [p for p, _ in pairs],
+                     [fp32_buffer(p, s, "exp_avg") for p, s in pairs]]
             amp_C.multi_tensor_novograd(0, self._noop_flag(norms.device), lists, norms, group["lr"], beta1, beta2,
                                         group["eps"], step, 1 if group["bias_correction"] else 0,
                                         group["weight_decay"], 1 if group["grad_averaging"] else 0,

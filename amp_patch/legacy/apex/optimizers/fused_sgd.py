@@ -4,7 +4,7 @@ from torch.optim.optimizer import required as _REQUIRED
 
 from ... import amp_C
 from ....errors import ConfigError
-from ._base import FusedOptimizer, by_device, note_no_effect
+from ._base import FusedOptimizer, by_device, closure_loss, note_no_effect
 
 
 
@@ -34,10 +34,7 @@ class FusedSGD(FusedOptimizer):
 
     def step(self, closure=None):
         """One SGD step for every param with a grad; returns ``closure()``'s loss when given one."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             if group["lr"] is _REQUIRED:
                 raise ConfigError("FusedSGD: pass lr=... (it has no default)")

@@ -16,7 +16,7 @@ from .errors import BannedOpError, CastError
 
 Tensor = torch.Tensor
 FP32 = torch.float32
-HALF_DTYPES = frozenset((torch.float16, torch.bfloat16))
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 _TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _PLAIN_TYPES = frozenset((int, float, bool, complex, str, bytes, type(None), slice, type(Ellipsis), torch.dtype,
@@ -139,7 +139,7 @@ _CAST_METHOD = {torch.float16: Tensor.half, torch.bfloat16: Tensor.bfloat16, tor
 
 def make_to_half(half_dtype, cache):
     """The caster for ``half`` ops: fp32 (cached for leaves that require grad) and the other 16-bit dtype."""
-    other = next(iter(HALF_DTYPES - {half_dtype}))
+    other = next(d for d in HALF_DTYPES if d is not half_dtype)
     cast = _CAST_METHOD[half_dtype]
     entries = cache.entries
     get = entries.get

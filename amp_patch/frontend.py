@@ -5,11 +5,12 @@ import logging
 import torch
 
 from . import _state, distributed, early_bound, module_compat
+from .casting import HALF_DTYPES
 from .engine import CastingEngine
 from .errors import ConfigError, UsageError
 from .models import ModelPatch
 from .oplist import load_op_lists
-from .opt_levels import HALF_DTYPES, resolve
+from .opt_levels import resolve
 from .optim_state import OptimizerState
 from .patcher import Patcher
 from .registry import REGISTRY

@@ -5,13 +5,12 @@ rejected combination raises ``ConfigError`` saying what was passed, why it is
 not allowed, and what to do instead.
 """
 import dataclasses
-import math
 
 import torch
 
+from .casting import HALF_DTYPES
 from .errors import ConfigError
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
+from .scaler import parse_loss_scale as _parse_static_or_dynamic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,18 +57,10 @@ def check_opt_level(opt_level):
     raise ConfigError(f"opt_level={opt_level!r} is not an opt level; allowed: {', '.join(OPT_LEVELS)}.{hint}")
 
 
-def parse_loss_scale(value, name="loss_scale"):
-    """``"dynamic"`` or a positive finite float (float-like strings accepted, as in Apex)."""
-    if value == "dynamic":
-        return value
-    try:
-        scale = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}={value!r}; allowed: \"dynamic\" or a positive number such as 128.0") from None
-    if isinstance(value, bool) or not math.isfinite(scale) or scale <= 0:
-        raise ConfigError(f"{name}={value!r}; a static loss scale must be a positive finite number "
-                          "(or pass \"dynamic\")")
-    return scale
+def parse_loss_scale(value):
+    """``"dynamic"`` or the static scale as a float, by the loss scaler's rule (one rule for every entry point)."""
+    static = _parse_static_or_dynamic(value)
+    return "dynamic" if static is None else static
 
 
 def _parse_bool_like(value, name):

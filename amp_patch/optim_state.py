@@ -27,6 +27,7 @@ import torch
 from . import distributed
 from .casting import HALF_DTYPES
 from .errors import UsageError
+from .unscale import unscale_
 
 
 class OptimizerState:
@@ -42,6 +43,7 @@ class OptimizerState:
         self.last_skipped = False
         self.pending_scaler = None  # param grads are currently scaled by this scaler (inside scale_loss, or delayed)
         self.pending_inf = False
+        self.unreduced = False  # pending grads came from inside DDP no_sync(): they stay in param.grad until reduced
         self.masters_stale = False
         self.engine = None  # the session's casting engine (O1): paused during step()
         self.in_scale_loss = False  # an open scale_loss block names this optimizer (nesting is refused)
@@ -96,18 +98,25 @@ class OptimizerState:
                     yield p
 
     # -- scale_loss protocol --------------------------------------------------------------------
-    def before_backward(self, scaler):
+    def before_backward(self, scaler, in_place=False):
         """Entering scale_loss: bring grads already in ``param.grad`` to ``scaler``'s scale.
 
         Grads stay in ``param.grad`` (so DDP's reducer sees the whole accumulation, also
         inside ``no_sync``); unscaled ones are multiplied by the scale (a power of two:
-        exact), grads left scaled by another scaler (``delay_unscale``) are unscaled first.
+        exact), grads left scaled by another scaler (``delay_unscale``) are unscaled first,
+        into the fp32 master grads; but grads accumulated inside DDP ``no_sync()`` (``in_place``),
+        which the synced backward must still reduce, are rescaled where they are.
         """
         self._sync_groups()
         self.check_foreign("scale_loss")
         if self.skip_next and not self._any_grad():
             self.skip_next = False  # grads cleared (e.g. model.zero_grad()) after an overflow: nothing to skip
         if self.pending_scaler is scaler:
+            return
+        self.unreduced |= in_place
+        if self.pending_scaler is not None and self.unreduced:
+            self.pending_inf |= self._rescale_in_place(self.pending_scaler, scaler)
+            self.pending_scaler = scaler
             return
         if self.pending_scaler is not None:
             self.pending_inf |= self._unscale(self.pending_scaler)
@@ -121,8 +130,14 @@ class OptimizerState:
         if delay_unscale:
             return False
         found = self._unscale(scaler) or self.pending_inf
-        self.pending_scaler, self.pending_inf = None, False
+        self.pending_scaler, self.pending_inf, self.unreduced = None, False, False
         return found
+
+    def _rescale_in_place(self, old, new):
+        """Grads scaled by ``old`` become scaled by ``new`` without leaving ``param.grad``; inf/NaN seen?"""
+        grads = [p.grad for p in self._grad_params() if p.grad is not None]
+        grads += [model_p.grad for model_p, _ in self.pairs if model_p.grad is not None]
+        return bool(unscale_(grads, old.scale / new.scale)) if grads else False
 
     def _unscale(self, scaler):
         """param grads /= scale in place; half model grads /= scale into the fp32 master grads. found_inf?"""
@@ -178,7 +193,7 @@ class OptimizerState:
         for model_p, _ in self.pairs:
             model_p.grad = None
         self.pending_scaler, self.pending_inf, self.skip_next, self.foreign = None, False, False, None
-        self.own_exit = None
+        self.own_exit, self.unreduced = None, False
 
     def _check_backward_outside(self):
         """Master weights: half model grads with no scale_loss pending come from a plain ``loss.backward()``."""

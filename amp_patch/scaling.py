@@ -102,7 +102,7 @@ def _begin(session, loss, optimizers, loss_id, model, delay_unscale):
         distributed.check_not_sharded_since_initialize(session.unsharded_models)
         _warn_if_masters_diverged(states)
     for state in states:
-        state.before_backward(scaler)
+        state.before_backward(scaler, in_place=bool(session.no_sync_depth))
     return scaler, states, delay_unscale
 
 

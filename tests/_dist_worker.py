@@ -330,12 +330,14 @@ def misc(rank, world):
             "master_warning": master_warning(rank, world)}
 
 
-def _accumulate(rank, level, use_no_sync, steps=4, k=3, inject_step=1):
+def _accumulate(rank, level, use_no_sync, steps=4, k=3, inject_step=1, num_losses=1):
     """k micro-batches per step, the first k-1 inside no_sync() (or all synced), scale_loss called as legacy
-    loops do (no delay_unscale, no model=); an inf on rank 1 inside the first no_sync micro-batch of one step."""
+    loops do (no delay_unscale, no model=); an inf on rank 1 inside the first no_sync micro-batch of one step.
+    With num_losses=2 the micro-batches alternate loss ids (0, 1, 0): two scalers meet inside one no_sync()."""
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=HALF, verbosity=0)
+    model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=HALF, verbosity=0,
+                                      num_losses=num_losses)
     try:
         ddp = DDP(model)
         g = torch.Generator().manual_seed(300 + rank)
@@ -346,7 +348,7 @@ def _accumulate(rank, level, use_no_sync, steps=4, k=3, inject_step=1):
                 if step == inject_step and micro == 0 and rank == 1:
                     x[0, 0] = float("inf")
                 with ddp.no_sync() if use_no_sync and micro < k - 1 else _Null():
-                    with amp_patch.scale_loss(loss_of(ddp, x, y) / k, opt) as scaled:
+                    with amp_patch.scale_loss(loss_of(ddp, x, y) / k, opt, loss_id=micro % num_losses) as scaled:
                         scaled.backward()
             opt.step()
             opt.zero_grad()
@@ -357,8 +359,11 @@ def _accumulate(rank, level, use_no_sync, steps=4, k=3, inject_step=1):
 
 
 def no_sync_accumulation(rank, world):
-    return {level: {"no_sync": _accumulate(rank, level, True), "synced": _accumulate(rank, level, False)}
+    runs = {level: {"no_sync": _accumulate(rank, level, True), "synced": _accumulate(rank, level, False)}
             for level in ("O1", "O2")}
+    runs["O2 two losses"] = {"no_sync": _accumulate(rank, "O2", True, num_losses=2),
+                             "synced": _accumulate(rank, "O2", False, num_losses=2)}
+    return runs
 
 
 def _fsdp_train(rank, level=None, half=torch.bfloat16, policy=None, steps=4, inject_step=None, **init):

@@ -272,19 +272,24 @@ O2_CASES = [(FusedAdam, dict(lr=1e-2, weight_decay=0.01)), (FusedSGD, dict(lr=0.
             (FusedAdagrad, dict(lr=1e-2))]
 
 
-LEVEL_CASES = [(case, "O2") for case in O2_CASES] + [(O2_CASES[0], "O1"), (O2_CASES[2], "O1")]
+BF16, FP16 = torch.bfloat16, torch.float16
+LEVEL_CASES = ([(case, "O2", BF16) for case in O2_CASES] + [(case, "O2", FP16) for case in O2_CASES[:3]]
+               + [(O2_CASES[0], "O1", BF16), (O2_CASES[2], "O1", BF16)])
 
 
-@pytest.mark.parametrize("case,opt_level", LEVEL_CASES, ids=[f"{c[0].__name__}-{lvl}" for c, lvl in LEVEL_CASES])
-def test_under_initialize_they_update_the_fp32_params_by_the_formulas(case, opt_level):
+@pytest.mark.parametrize("case,opt_level,half", LEVEL_CASES,
+                         ids=[f"{c[0].__name__}-{lvl}-{str(h)[6:]}" for c, lvl, h in LEVEL_CASES])
+def test_under_initialize_they_update_the_fp32_params_by_the_formulas(case, opt_level, half):
     """O2 puts fp32 masters in the optimizer: each step must apply the reference rule to the masters' (unscaled)
-    grads, and the bf16 model must hold the masters rounded. O1 keeps the fp32 model params in the optimizer."""
+    grads, and the half model must hold the masters rounded. O1 keeps the fp32 model params in the optimizer.
+    (fp16: a static scale of 128, so no step is skipped and every recorded grad was applied.)"""
     cls, kw = case
     torch.manual_seed(0)
     model = _Tiny()
     start = [p.detach().clone() for p in model.parameters()]
+    scale = {"loss_scale": 128.0} if half is FP16 else {}
     model, opt = amp_patch.initialize(model, cls(model.parameters(), **kw), opt_level=opt_level,
-                                      half_dtype=torch.bfloat16, verbosity=0)
+                                      half_dtype=half, verbosity=0, **scale)
     masters = [p for g in opt.param_groups for p in g["params"]]
     assert all(m.dtype == torch.float32 for m in masters)
     seen = []
@@ -304,8 +309,8 @@ def test_under_initialize_they_update_the_fp32_params_by_the_formulas(case, opt_
     assert max(_rel(m.detach(), r) for m, r in zip(masters, ref)) <= TOL
     model_params = list(model.parameters())
     if opt_level == "O2":
-        assert all(p.dtype == torch.bfloat16 for p in model_params)
-        assert all(torch.equal(p.detach(), m.detach().to(torch.bfloat16)) for p, m in zip(model_params, masters))
+        assert all(p.dtype == half for p in model_params)
+        assert all(torch.equal(p.detach(), m.detach().to(half)) for p, m in zip(model_params, masters))
         assert set(v.dtype for s in opt.state.values() for v in s.values() if torch.is_tensor(v)) == {torch.float32}
     assert losses[-1] < losses[0]
 

@@ -115,6 +115,7 @@ def test_a_failed_step_is_forgotten_after_zero_grad(level, dtype):
         after = list(model.parameters()) + list(model.buffers())
         assert all(a is b and a.dtype is dt for (a, dt), b in zip(before, after)), f"{point}: objects/dtypes"
         assert all(p.grad is None or p.grad.dtype is torch.float32 for p in model.parameters()), point
+        assert [p.grad is None for p in model.parameters()] == [p.grad is None for p in ref_model.parameters()], point
         assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters()), point
 
 

@@ -26,6 +26,24 @@ def _caster(dtype):
     return cast
 
 
+def _cast_inputs_once(cast):
+    """A forward pre-hook casting the call's tensors, each distinct tensor once: an argument passed several
+    times stays one tensor (``MultiheadAttention``'s fused fast path needs ``query is key is value``)."""
+
+    def hook(module, args, kwargs):
+        seen = {}  # id -> (source, cast); holding the source keeps its id unique during the call
+
+        def cast_one(t):
+            found = seen.get(id(t))
+            if found is None:
+                found = seen[id(t)] = (t, cast(t))
+            return found[1]
+
+        return cast_tree(args, cast_one), cast_tree(kwargs, cast_one)
+
+    return hook
+
+
 class ModelPatch:
     """The changes made to one model; ``restore`` undoes them."""
 
@@ -59,8 +77,7 @@ class ModelPatch:
     def cast_io(self, input_dtype, output_dtype, keep_types):
         """Cast floating inputs of the model to ``input_dtype`` and its outputs to ``output_dtype``."""
         to_in, to_out = _caster(input_dtype), _caster(output_dtype)
-        self.handles.append(forward_pre_hook(
-            self.model, lambda m, args, kwargs: (cast_tree(args, to_in), cast_tree(kwargs, to_in)), with_kwargs=True))
+        self.handles.append(forward_pre_hook(self.model, _cast_inputs_once(to_in), with_kwargs=True))
         self.handles.append(forward_hook(self.model, lambda m, args, out: cast_tree(out, to_out)))
         if input_dtype in HALF_DTYPES:
             self._keep_modules_fp32(keep_types, input_dtype)

@@ -120,6 +120,7 @@ def _history_of(model, x, y, steps=2, **init):
 def test_history_records_carry_the_cause_of_each_skip():
     x, y = jobs.lambda_free_mlp_data()
     x, y = x[:8], y[:8]
+    torch.manual_seed(0)  # how many warm-up skips depends on the init (1 to 3 over seeds): fix it
     warm = _history_of(jobs.mlp_model(), x * 10, y, steps=4)  # 65536 is too high a scale for these grads
     assert [r["cause_kind"] for r in warm] == ["warmup", "warmup", None, None]
     assert "warm-up" in warm[0]["cause"] and warm[2]["cause"] is None and not warm[2]["skipped"]

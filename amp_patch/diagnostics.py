@@ -14,7 +14,7 @@ import logging
 import torch
 
 from .casting import iter_tensors
-from .module_compat import forward_hooks
+from .module_compat import forward_hooks, forward_pre_hook
 
 log = logging.getLogger("amp_patch")
 
@@ -33,8 +33,20 @@ class OverflowDiagnoser:
         self.flags = collections.deque(maxlen=max_flags)
         self.tracer = tracer  # its last_entry names the patched op that ran last (None without O1)
         self.models = models
+        self.inputs = collections.deque(maxlen=max_flags)  # per model call: inf/NaN in its inputs (the data)
         self.handles = forward_hooks([(module, self._hook(name or type(model).__name__))
                                       for model in models for name, module in model.named_modules()])
+        self.handles += [forward_pre_hook(model, self._input_hook, with_kwargs=True) for model in models]
+
+    def _input_hook(self, module, args, kwargs):
+        tensors = [t for t in iter_tensors((args, kwargs)) if t.is_floating_point() and t.numel()]
+        if tensors:
+            entry = self.tracer.last_entry if self.tracer is not None else None
+            with torch.no_grad(), self.quiet():
+                self.inputs.append(torch.stack([torch.isfinite(t).logical_not().any() for t in tensors]).any())
+            if self.tracer is not None:
+                self.tracer.last_entry = entry
+        return None
 
     def _hook(self, name):
         def hook(module, args, out):
@@ -63,8 +75,8 @@ class OverflowDiagnoser:
 
     def record(self, loss_id, scale, masters):
         record = {"loss_id": loss_id, "loss_scale": scale, "first_bad_module": self.first_bad_module(),
-                  "params": self.bad_grads(masters)}
-        self.flags.clear()
+                  "input_nonfinite": any(bool(flag) for flag in self.inputs), "params": self.bad_grads(masters)}
+        self.reset()
         origin = record["first_bad_module"]
         log.warning("overflow (loss %d, scale %s): first non-finite/out-of-range module output: %s; "
                     "params with non-finite grads: %s", loss_id, scale,
@@ -74,6 +86,7 @@ class OverflowDiagnoser:
 
     def reset(self):
         self.flags.clear()
+        self.inputs.clear()
 
     def remove(self):
         while self.handles:
@@ -109,14 +122,19 @@ def bad_grads(models, masters):
 def skip_cause(loss, overflow, warming_up, scale, grads):
     """Why a step was skipped: ``(kind, text)``, kind one of loss, forward, warmup, grads (first that applies).
 
-    ``grads`` is a callable returning :func:`bad_grads` rows (only called when nothing earlier explains it).
+    A non-finite loss is ``forward`` when the diagnoser found the module whose output went bad first and the
+    model's inputs were finite, else ``loss`` (inf/NaN in the data says so). ``grads`` is a callable returning
+    :func:`bad_grads` rows (only called when nothing earlier explains it).
     """
-    if loss is not None and not bool(torch.isfinite(loss.detach()).all()):
-        return "loss", "non-finite loss (inf/NaN in the forward pass, not a loss-scale problem)"
+    bad_loss = loss is not None and not bool(torch.isfinite(loss.detach()).all())
     origin = overflow and overflow.get("first_bad_module")
+    bad_input = bool(overflow and overflow.get("input_nonfinite"))
+    if bad_loss and (bad_input or not origin):
+        return "loss", ("non-finite loss (inf/NaN in the forward pass, not a loss-scale problem)"
+                        + ("; the model's input holds inf/NaN: check the data" if bad_input else ""))
     if origin:
         return "forward", (f"forward overflow at module {origin['module']} (last op {origin['op']}, "
-                           f"{origin['category']})")
+                           f"{origin['category']})" + ("; the loss is non-finite" if bad_loss else ""))
     if warming_up:
         return "warmup", (f"scaler warm-up: loss scale {scale} was too high for the gradients (no step has "
                           "succeeded yet; the dynamic scaler backs off)")

@@ -29,6 +29,9 @@ def test_attention_overflow_names_bmm_in_the_attention_module(attention_report):
     assert first["max_abs_float32"] > torch.finfo(torch.float16).max  # the evidence: it does not fit
     assert report.fixes == [{"target": "torch", "name": "bmm", "scope": "attn"}]
     assert report.before["other_skips"] == STEPS  # q·kᵀ overflows on every step
+    # each skip's history() cause names the module, not only "non-finite loss"
+    assert report.before["causes"] == ["forward overflow at module attn (last op torch.bmm, half); the loss is "
+                                       "non-finite"]
     assert report.after["skipped"] == 0
 
 
@@ -130,6 +133,17 @@ def test_history_records_carry_the_cause_of_each_skip():
     bad[0] = math.inf
     nonfinite = _history_of(jobs.mlp_model(), bad, y, steps=1)
     assert nonfinite[0]["cause_kind"] == "loss" and "non-finite loss" in nonfinite[0]["cause"]
+
+
+def test_skips_from_a_forward_overflow_name_the_module_in_history_and_bad_data_is_named_as_such():
+    x, y = jobs.attention_data()
+    records = _history_of(jobs.AttentionNet(), x[:8], y[:8], steps=2, diagnose_overflow=True)
+    assert [(r["skipped"], r["cause_kind"]) for r in records] == [(True, "forward")] * 2
+    assert all(r["cause"].startswith("forward overflow at module attn (last op torch.bmm, half)") for r in records)
+    x, y = jobs.nan_data()  # the first module's output is NaN too, but its input (the data) already was
+    records = _history_of(jobs.mlp_model(), x[:8], y[:8], steps=1, diagnose_overflow=True)
+    assert records[0]["cause_kind"] == "loss" and "input holds inf/NaN" in records[0]["cause"]
+    assert records[0]["overflow"]["input_nonfinite"] is True
 
 
 def test_forward_overflow_is_named_before_warm_up_and_grads():

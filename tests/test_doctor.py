@@ -49,6 +49,24 @@ def test_the_written_list_extends_the_input_and_fixes_training(attention_report)
     assert "attn | torch.bmm | half | op_lists/apex.yaml:" in markdown and "```yaml" in markdown
 
 
+def test_the_markdown_report_has_skips_before_and_after_with_causes_and_the_loss_vs_float32(attention_report):
+    report, _ = attention_report
+    lines = report.to_markdown().splitlines()
+    assert lines[0] == f"# amp-patch doctor: attention (O1, float16, {STEPS} steps)"
+    assert lines[2].startswith("**fixed**: op-list change needed: torch.bmm in float32 in 'attn'")
+    before = next(line for line in lines if line.startswith("- before: "))
+    assert before.startswith(f"- before: {STEPS} steps, {STEPS} skipped (0 warm-up, {STEPS} other), final loss nan")
+    assert before.endswith("first failure at step 0: forward overflow at module attn (last op torch.bmm, half); "
+                           "the loss is non-finite")
+    after = next(line for line in lines if line.startswith("- after the fix: "))
+    assert after.startswith(f"- after the fix: {STEPS} steps, 0 skipped (0 warm-up, 0 other), "
+                            f"final loss {report.after['final_loss']:.4g}")
+    assert f"- float32 (O0) final loss: {report.fp32_final_loss:.4g}" in lines
+    for heading in ("## Culprits (first bad value, in execution order)", "## Op-list change", "## Search"):
+        assert heading in lines
+    assert "- torch.bmm -> float in modules matching 'attn'" in lines
+
+
 def test_overflowing_custom_reduction_is_moved_to_float_in_its_module():
     report = amp_patch.doctor(jobs.reduction_job(), steps=STEPS)
     assert report.status == "fixed"
@@ -74,6 +92,20 @@ def test_nan_from_the_data_is_reported_as_not_fixable(tmp_path):
     assert report.status == "not_fixable" and report.exit_code == 1
     assert "input(s) [0]" in report.summary and "not fixable by op lists" in report.summary
     assert not report.fixes and not out.exists()
+
+
+def test_nan_data_via_the_command_line_exits_1_and_says_to_check_the_data(tmp_path, capsys):
+    out = tmp_path / "never.yaml"
+    status = cli.main(["doctor", "--job", "_doctor_jobs:nan_data_job", "--steps", str(STEPS), "--out", str(out)])
+    printed = capsys.readouterr()
+    assert status == 1 and printed.err == "" and not out.exists()
+    lines = printed.out.splitlines()
+    assert lines[0] == f"# amp-patch doctor: _doctor_jobs:nan_data_job (O1, float16, {STEPS} steps)"
+    assert lines[2].startswith("**not fixable**: not fixable by op lists: the failure is a genuine non-finite value")
+    assert "model input(s) [0] of the batch at step 0 already hold inf/NaN. Check the data" in lines[2]
+    before = next(line for line in lines if line.startswith("- before: "))
+    assert "first failure at step 0: non-finite loss" in before and "input holds inf/NaN" in before
+    assert "## Op-list change" not in lines and "```yaml" not in lines  # nothing proposed, nothing written
 
 
 def test_healthy_mlp_needs_no_change_via_the_command_line(tmp_path, capsys, monkeypatch):

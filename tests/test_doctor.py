@@ -119,9 +119,24 @@ def test_healthy_mlp_needs_no_change_via_the_command_line(tmp_path, capsys, monk
     assert report["fixes"] == [] and not out.exists()
 
 
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_doctor_refuses_o2_o3_saying_why_and_what_to_do(level, tmp_path, capsys):
+    with pytest.raises(amp_patch.ConfigError) as refused:
+        amp_patch.doctor(jobs.mlp_job(), opt_level=level)
+    message = str(refused.value)
+    assert message.startswith(f"opt_level={level!r}; allowed: 'O1'.")
+    assert "op lists act only through O1's per-op casting" in message and "themselves half" in message  # why
+    assert "opt_level='O1'" in message and "keep_fp32_modules=" in message  # what to do
+    out = tmp_path / "never.yaml"
+    status = cli.main(["doctor", "--job", "_doctor_jobs:mlp_job", "--opt-level", level, "--out", str(out)])
+    printed = capsys.readouterr()
+    assert status == 2 and printed.out == "" and not out.exists()
+    assert printed.err == f"amp-patch doctor: error: {message}\n"  # the same message, not argparse's choices
+
+
 def test_doctor_refuses_other_opt_levels_and_a_running_session():
-    with pytest.raises(amp_patch.ConfigError, match="only O1"):
-        amp_patch.doctor(jobs.mlp_job(), opt_level="O2")
+    with pytest.raises(amp_patch.ConfigError, match="only through O1's per-op casting"):
+        amp_patch.doctor(jobs.mlp_job(), opt_level="O0")
     model = amp_patch.initialize(jobs.mlp_model(), opt_level="O1", verbosity=0)
     try:
         with pytest.raises(amp_patch.UsageError, match="deinitialize"):

@@ -94,8 +94,12 @@ def _check_args(opt_level, half_dtype, steps, op_lists):
         raise UsageError("amp_patch.doctor() trains the job in its own sessions; call amp_patch.deinitialize() "
                          "(or close the autocast() region) first")
     if opt_level != "O1":
-        raise ConfigError(f"opt_level={opt_level!r}; the doctor proposes op-list changes, which only O1 applies: "
-                          "pass opt_level='O1'")
+        raise ConfigError(
+            f"opt_level={opt_level!r}; allowed: 'O1'. The doctor proposes op-list changes, and op lists act only "
+            "through O1's per-op casting (under O2/O3 the model's weights and activations are themselves half, so "
+            "no op list moves an op to float32). Run the doctor with opt_level='O1' to find the op, then train at "
+            "O1 with the list it writes, or at O2/O3 keep the culprit's module type in float32 with "
+            "initialize(..., keep_fp32_modules=(TheModule,))")
     half_dtype = _DTYPES.get(half_dtype, half_dtype)
     if half_dtype not in (torch.float16, torch.bfloat16):
         raise ConfigError(f"half_dtype={half_dtype!r}; allowed: torch.float16, torch.bfloat16")

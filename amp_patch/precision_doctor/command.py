@@ -21,7 +21,8 @@ def add_parser(subparsers):
                     "verify it by retraining, and print a report (markdown, or JSON with --json).",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", metavar="MODULE:FUNCTION", required=True, help="the training job")
-    parser.add_argument("--opt-level", default="O1", choices=["O1"], help="the opt level diagnosed (O1)")
+    parser.add_argument("--opt-level", default="O1",
+                        help="the opt level diagnosed: only O1 (op lists act only under O1's per-op casting)")
     parser.add_argument("--half-dtype", default="float16", choices=["float16", "bfloat16"])
     parser.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
     parser.add_argument("--op-lists", metavar="NAME_OR_FILE", default=None,

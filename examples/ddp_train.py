@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import amp_patch
 
 
-def parse_args(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--opt-level", default="O2", choices=["O0", "O1", "O2", "O3"])
     p.add_argument("--half-dtype", default="float16", choices=["float16", "bfloat16"])
@@ -35,7 +35,11 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, default=10, help="checkpoint every N optimizer steps (and at the end)")
     p.add_argument("--resume", action="store_true", help="continue from <ckpt-dir>/last.pt if it exists")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def setup():

@@ -3,6 +3,7 @@ import argparse
 import io
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -116,6 +117,10 @@ def test_isolated_variants_report_their_own_run(tmp_path):
     assert fp32["casts_per_iteration"] == 0 < o2["casts_per_iteration"]
     assert fp32["losses"] != o2["losses"] and abs(fp32["losses"][0] - o2["losses"][0]) < 0.05
     assert "process RSS peak" == fp32["memory_kind"]
+    if sys.platform.startswith("linux"):  # the variant's own process: its peak is measured per round too
+        for v in (fp32, o2):
+            (peak,) = [r["peak_memory_mib"] for r in v["rounds"]]
+            assert 0 < peak == v["peak_memory_min_mib"] == v["peak_memory_max_mib"] <= v["peak_memory_mib"]
 
 
 def test_failing_variant_is_reported_and_others_still_run():

@@ -7,12 +7,13 @@ import time
 
 import pytest
 import torch
+from torch import nn
 
 import amp_patch
 from amp_patch.experiment import add_parser, compare
 from amp_patch.experiment import api, command
-from amp_patch.experiment.report import dynamic_scale_variants, summarize
-from amp_patch.experiment.runner import Config, new_result
+from amp_patch.experiment.report import _plot_bars, dynamic_scale_variants, summarize
+from amp_patch.experiment.runner import Config, VariantRun, new_result
 from test_experiment import tiny_data, tiny_loss, tiny_model, tiny_optimizer
 
 
@@ -28,6 +29,21 @@ class Hangs(torch.nn.Module):
 
     def forward(self, x):
         time.sleep(3600)
+
+
+class SpikesOnce(nn.Module):
+    """Its 4th forward (step 3: the second timed round of Config(steps=6, rounds=4)) touches 96 MiB more."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 4:
+            x = x + torch.ones(24 * 2 ** 20)[:1] * 0  # written, so resident; freed (unmapped) right after
+        return self.lin(x)
 
 
 def _cli(argv):
@@ -164,3 +180,70 @@ def test_png_draws_the_loss_scale_only_where_it_is_dynamic():
     report = {"variants": {"fp32": {"loss_scales": [1.0, 1.0]}, "O1": {"loss_scales": [65536.0, 32768.0]},
                            "native": {"loss_scales": [1.0, 1.0]}, "O2": {"loss_scales": [65536.0, 65536.0]}}}
     assert dynamic_scale_variants(report) == ["O1", "O2"]
+
+
+def _memory_run(isolated):
+    job = {"model_fn": SpikesOnce, "optimizer_fn": tiny_optimizer, "data_fn": tiny_data, "loss_fn": tiny_loss,
+           "batch_size": 8}
+    config = Config(steps=6, rounds=4)
+    run = VariantRun(job, "fp32", config, isolated=isolated)
+    run.setup()
+    for size in config.round_sizes():
+        run.run_round(size)
+    return run.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-round CPU peaks need Linux's clear_refs")
+def test_peak_memory_is_measured_per_round_in_the_variants_own_process():
+    # (isolated=True as in a variant's process: this resets pytest's own peak-RSS mark, which nothing here reads)
+    result = _memory_run(isolated=True)
+    peaks = [r["peak_memory_mib"] for r in result["rounds"]]
+    assert result["status"] == "ok" and len(peaks) == 4 and all(p > 0 for p in peaks), result
+    quiet = [peaks[0], peaks[2], peaks[3]]  # the peak is reset per round: the spike shows in round 1 only
+    assert peaks[1] - max(quiet) > 64, peaks
+    assert result["peak_memory_min_mib"] == min(peaks) and result["peak_memory_max_mib"] == peaks[1]
+    assert result["peak_memory_median_mib"] == pytest.approx(sorted(peaks)[1] / 2 + sorted(peaks)[2] / 2)
+    assert result["peak_memory_mib"] >= peaks[1]  # the whole run's peak, as before
+    json.dumps(result)
+
+
+def test_in_process_rounds_leave_the_callers_peak_alone(in_process):
+    _, data = in_process
+    for v in data["jobs"]["job"]["variants"].values():
+        assert [r["peak_memory_mib"] for r in v["rounds"]] == [None] * 3 and v["peak_memory_median_mib"] is None
+        assert v["peak_memory_mib"] > 0
+
+
+def _report_with_memory(per_round):
+    variants = {}
+    for name, (low, mid, high) in {"fp32": (300.0, 310.0, 330.0), "O1": (280.0, 290.0, 295.0)}.items():
+        v = new_result(name, True)
+        v.update(median_step_ms=1.0, step_ms_min=0.9, step_ms_max=1.2, peak_memory_mib=400.0 + mid,
+                 memory_kind="process RSS peak")
+        if per_round:
+            v.update(peak_memory_median_mib=mid, peak_memory_min_mib=low, peak_memory_max_mib=high)
+        variants[name] = v
+    return {"job": "j", "variants": variants}
+
+
+def _bars(ax):
+    """(heights, [(low, high)] of the error bars or None) of the one bar chart on ax."""
+    from matplotlib.container import BarContainer
+    (container,) = [c for c in ax.containers if isinstance(c, BarContainer)]
+    heights = [patch.get_height() for patch in container.patches]
+    if container.errorbar is None:
+        return heights, None
+    (segments,) = [c.get_segments() for c in container.errorbar.lines[2]]
+    return heights, [(seg[0][1], seg[1][1]) for seg in segments]
+
+
+def test_png_memory_bars_carry_the_rounds_spread():
+    Figure = pytest.importorskip("matplotlib.figure").Figure
+    time_ax, mem_ax = Figure().subplots(1, 2)
+    _plot_bars(time_ax, mem_ax, _report_with_memory(per_round=True))
+    assert _bars(mem_ax) == ([310.0, 290.0], [(300.0, 330.0), (280.0, 295.0)])
+    assert _bars(time_ax) == ([1.0, 1.0], [(0.9, 1.2), (0.9, 1.2)])
+    assert "median, min-max of rounds" in mem_ax.get_title()
+    time_ax, mem_ax = Figure().subplots(1, 2)  # no per-round peaks (in process, CPU): the whole run's, no bars
+    _plot_bars(time_ax, mem_ax, _report_with_memory(per_round=False))
+    assert _bars(mem_ax) == ([710.0, 690.0], None) and "whole run" in mem_ax.get_title()

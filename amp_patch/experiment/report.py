@@ -170,8 +170,8 @@ def _jsonable(value):
 
 
 def write_png(reports, out_dir):
-    """What a user decides on, one row per job: step time and peak memory per variant (bars; the step time with
-    its min-max over the rounds), the loss deviation from fp32 per step, and the loss scale of the variants
+    """What a user decides on, one row per job: step time and peak memory per variant (bars: the median over the
+    rounds with their min-max), the loss deviation from fp32 per step, and the loss scale of the variants
     whose scale is dynamic. None (and a log line) without matplotlib."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -200,10 +200,23 @@ def _plot_bars(time_ax, mem_ax, report):
     medians = [v["median_step_ms"] for v in vs]
     spread = [[m - v["step_ms_min"] for m, v in zip(medians, vs)], [v["step_ms_max"] - m for m, v in zip(medians, vs)]]
     time_ax.bar(labels, medians, yerr=spread, capsize=4, color="tab:blue")
-    time_ax.set(title=f"{report['job']}: step time (median, min-max of rounds)", ylabel="ms")
-    mems = [v["peak_memory_mib"] or 0.0 for v in vs]
-    mem_ax.bar(labels, mems, color="tab:gray")
-    mem_ax.set(title=f"{report['job']}: peak memory ({vs[0]['memory_kind'] if vs else 'n/a'})", ylabel="MiB")
+    time_ax.set(title=f"{report['job']}: step time\nmedian, min-max of rounds", ylabel="ms")
+    _plot_memory(mem_ax, report, labels, vs)
+
+
+def _plot_memory(ax, report, labels, vs):
+    """Each round's peak: median with min-max bars; the whole run's peak (no spread) where rounds have none."""
+    per_round = all(v.get("peak_memory_median_mib") is not None for v in vs)
+    if per_round:
+        mems = [v["peak_memory_median_mib"] for v in vs]
+        spread = [[m - v["peak_memory_min_mib"] for m, v in zip(mems, vs)],
+                  [v["peak_memory_max_mib"] - m for m, v in zip(mems, vs)]]
+        ax.bar(labels, mems, yerr=spread, capsize=4, color="tab:gray")
+    else:
+        ax.bar(labels, [v["peak_memory_mib"] or 0.0 for v in vs], color="tab:gray")
+    what = f"{vs[0]['memory_kind']}: " if vs else ""
+    how = "median, min-max of rounds" if per_round else "whole run (no per-round peak in process)"
+    ax.set(title=f"{report['job']}: peak memory\n{what}{how}", ylabel="MiB")
 
 
 def _plot_deviation(ax, report):

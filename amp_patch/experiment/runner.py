@@ -5,6 +5,11 @@ same initial weights on the same batches. ``setup`` runs the untimed steps: step
 under a cast-counting dispatch mode, step 2 (CUDA only) under CUDA's sync debug mode. Each ``run_round(n)``
 then times ``n`` more steps, so that the caller can interleave the rounds of several variants (each in its own
 process: :mod:`amp_patch.experiment.isolation`) and one noisy moment of the machine hits every variant alike.
+
+Peak memory is measured per round too, where the peak can be reset for the round: on CUDA (the allocator's
+peak), and on CPU in a variant's own process on Linux (the process's peak RSS, reset through
+``/proc/self/clear_refs``). An in-process run leaves the caller's process alone: its rounds record None.
+``peak_memory_mib`` stays the whole run's peak (setup included).
 """
 import contextlib
 import dataclasses
@@ -54,7 +59,8 @@ def new_result(variant, isolated):
             "skipped_steps": 0, "step_times_ms": [], "median_step_ms": None, "casts_per_iteration": None,
             "weight_casts_per_iteration": None, "distinct_weights_cast": None, "syncs_per_step": None,
             "peak_memory_mib": None, "memory_at_start_mib": None, "memory_kind": None, "final_loss": None,
-            "final_loss_scale": None, "rounds": [], "step_ms_min": None, "step_ms_max": None}
+            "final_loss_scale": None, "rounds": [], "step_ms_min": None, "step_ms_max": None,
+            "peak_memory_median_mib": None, "peak_memory_min_mib": None, "peak_memory_max_mib": None}
 
 
 def _fail(result, exc):
@@ -78,6 +84,7 @@ class VariantRun:
         self.step = 0
         self.active = False
         self._old_threads = torch.get_num_threads()
+        self._peak_before_resets = None  # the run's peak memory read before each round reset it
 
     def setup(self):
         self.result["memory_at_start_mib"] = _memory_now_mib(self.device)
@@ -95,12 +102,17 @@ class VariantRun:
         if not self.active:
             return
         record = {"round": len(self.result["rounds"]), "first_step": self.step, "step_times_ms": [],
-                  "median_step_ms": None}
+                  "median_step_ms": None, "peak_memory_mib": None}
         self.result["rounds"].append(record)
+        before = _reset_peak_memory(self.device, self.result["isolated"])
+        if before is not None:
+            self._peak_before_resets = max(before, self._peak_before_resets or 0.0)
         with self._guard():
             self._steps(steps, record["step_times_ms"])
         if record["step_times_ms"]:
             record["median_step_ms"] = statistics.median(record["step_times_ms"])
+        if before is not None:
+            record["peak_memory_mib"] = _peak_since_reset_mib(self.device)
 
     def close(self):
         """Undo the variant (deinitialize), restore the thread count; returns the finished result dict."""
@@ -110,6 +122,7 @@ class VariantRun:
                 self.runner.close()
         torch.set_num_threads(self._old_threads)
         _finish(self.result, self.device, self.result["isolated"])
+        _finish_memory(self.result, self._peak_before_resets)
         return self.result
 
     @contextlib.contextmanager
@@ -258,6 +271,51 @@ def _finish(result, device, isolated):
         result["syncs_per_step"] = f"n/a ({device.type.upper()})"
         result["peak_memory_mib"] = _rss_peak_mib()
         result["memory_kind"] = "process RSS peak" + ("" if isolated else " (shared by in-process variants)")
+
+
+def _reset_peak_memory(device, own_process):
+    """Start a round's peak-memory window: returns the peak so far (MiB), read before resetting it, or None when
+    the peak cannot be reset for the round (CPU in a process that is not the variant's own, or not Linux)."""
+    if device.type == "cuda":
+        before = torch.cuda.max_memory_allocated(device) / 2 ** 20
+        torch.cuda.reset_peak_memory_stats(device)
+        return before
+    before = _rss_peak_mib()
+    if not own_process or _rss_hwm_mib() is None:
+        return None
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")  # Linux: set the process's peak RSS (VmHWM, and so ru_maxrss) to its current RSS
+    except OSError:
+        return None
+    return before
+
+
+def _peak_since_reset_mib(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return _rss_hwm_mib()
+
+
+def _finish_memory(result, peak_before_resets):
+    """The whole run's peak (including what the rounds' resets hid, and the round peaks themselves: read from
+    VmHWM, they can be a few pages above getrusage's) and the rounds' median, min and max peak."""
+    peaks = [r["peak_memory_mib"] for r in result["rounds"] if r.get("peak_memory_mib") is not None]
+    if peak_before_resets is not None and result["peak_memory_mib"] is not None:
+        result["peak_memory_mib"] = max(result["peak_memory_mib"], peak_before_resets, *peaks)
+    if peaks:
+        result["peak_memory_median_mib"] = statistics.median(peaks)
+        result["peak_memory_min_mib"], result["peak_memory_max_mib"] = min(peaks), max(peaks)
+
+
+def _rss_hwm_mib():
+    """The process's peak RSS since its last reset (Linux's VmHWM), or None where /proc does not say."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+        return int(line.split()[1]) / 2 ** 10
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def _rss_now_mib():

@@ -70,7 +70,7 @@ def test_every_import_form_resolves_to_amp_patch():
     assert amp is amp_as is apex.amp
     assert scale_loss is amp_patch.scale_loss and master_params is amp_patch.master_params
     assert state_dict is amp_patch.state_dict and load_state_dict is amp_patch.load_state_dict
-    assert amp.initialize is amp_patch.initialize and init is legacy.handle.init
+    assert amp.initialize is legacy.apex_amp.initialize and init is legacy.handle.init
     for name in ("register_half_function", "register_float_function", "register_promote_function",
                  "half_function", "float_function", "promote_function", "disable_casts"):
         assert getattr(amp, name) is getattr(amp_patch, name), name
@@ -112,7 +112,7 @@ def test_real_apex_without_amp_keeps_working_and_gets_our_amp(fake_apex):
 def test_already_imported_real_apex_gets_amp_attribute_until_uninstall(fake_apex):
     apex = importlib.import_module("apex")
     with legacy.install_apex_alias():
-        assert apex.amp.initialize is amp_patch.initialize  # `import apex; apex.amp.initialize(...)` works
+        assert apex.amp.initialize is legacy.apex_amp.initialize  # `import apex; apex.amp.initialize(...)` works
     assert not hasattr(apex, "amp") and sys.modules["apex"] is apex
 
 
@@ -124,7 +124,7 @@ def test_real_apex_amp_is_refused_unless_forced(fake_apex):
     assert not legacy.apex_alias_installed()
     with legacy.install_apex_alias(force=True):
         from apex import amp
-        assert amp.initialize is amp_patch.initialize
+        assert amp.initialize is legacy.apex_amp.initialize
     from apex import amp
     assert amp.REAL_AMP
 
@@ -330,3 +330,40 @@ def test_handle_scale_loss_and_misuse():
     assert handle._default_scaler.loss_scale() == 128.0  # Apex's handle scaler is the session's scaler 0
     handle._deactivate()
     assert not handle.is_active() and amp_patch._state.current() is None
+
+
+def _fold_step(model, optimizer, x):
+    with legacy.amp.scale_loss(model(x).float().pow(2).mean(), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_apex_initialize_again_replaces_the_open_session_as_apex_allowed(caplog):
+    """k-fold loops call amp.initialize once per fold and the HF Trainer once per train(), never deinitializing:
+    each call closes the previous session (its O2 model back to fp32 with the trained weights) and says so."""
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    folds = []
+    for fold in range(3):
+        torch.manual_seed(fold)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with caplog.at_level("WARNING", logger="amp_patch"):
+            model, optimizer = legacy.amp.initialize(model, optimizer, opt_level="O2", verbosity=0, loss_scale=128.0)
+        _fold_step(model, optimizer, x)
+        folds.append((model, [p.detach().clone() for p in legacy.amp.master_params(optimizer)]))
+    assert caplog.text.count("amp.initialize() called again while a session is open (opt_level O2)") == 2
+    for model, masters in folds[:-1]:  # closed sessions: fp32 again, holding what their fold trained
+        assert all(p.dtype is torch.float32 and torch.equal(p.detach(), m) for p, m in zip(model.parameters(), masters))
+    assert all(p.dtype is torch.float16 for p in folds[-1][0].parameters())
+
+    model, _ = folds[-1]  # the Trainer's second train(): the same model and a new optimizer continue from the masters
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = legacy.amp.initialize(model, optimizer, opt_level="O2", verbosity=0, loss_scale=128.0)
+    assert all(torch.equal(m, t) for m, t in zip(legacy.amp.master_params(optimizer), folds[-1][1]))
+    _fold_step(model, optimizer, x)
+    amp_patch.deinitialize()
+    with pytest.raises(amp_patch.UsageError, match="already called.*deinitialize"):  # the core API still refuses
+        amp_patch.initialize(torch.nn.Linear(2, 2), opt_level="O1", verbosity=0)
+        amp_patch.initialize(torch.nn.Linear(2, 2), opt_level="O1", verbosity=0)
+    amp_patch.deinitialize()

@@ -85,7 +85,7 @@ def test_mirrored_modules_are_served_generically_and_removed_on_uninstall(mirror
         from apex.parallel.distributed import flat_dist_call
         import apex.parallel.distributed
         import amp_C
-        assert amp.initialize is amp_patch.initialize and parallel is apex.parallel
+        assert amp.initialize is legacy.apex_amp.initialize and parallel is apex.parallel
         assert DDP is StandInDDP and flat_dist_call() == "flat" and amp_C.multi_tensor_l2norm() == "l2norm"
         assert parallel is not mirror.parallel and parallel.__name__ == "apex.parallel"
         assert apex.parallel.distributed is sys.modules["apex.parallel.distributed"]
@@ -163,7 +163,7 @@ def test_real_apex_and_amp_c_are_never_shadowed(mirror, real_packages):
         import amp_C
         import apex.parallel
         assert amp_C.WHO == "real amp_C" and apex.parallel.WHO == "real apex.parallel" and apex.REAL_APEX
-        assert apex.amp.initialize is amp_patch.initialize
+        assert apex.amp.initialize is legacy.apex_amp.initialize
 
 
 def test_real_apex_gets_the_mirrored_modules_it_lacks_until_uninstall(mirror, real_packages):

@@ -17,6 +17,7 @@ from transformers.utils.import_utils import is_apex_available
 class ModelArguments:
     untied: bool = dataclasses.field(default=False, metadata={"help": "untie the input/output embeddings"})
     resume_from: str = dataclasses.field(default=None, metadata={"help": "a checkpoint-N directory"})
+    train_twice: bool = dataclasses.field(default=False, metadata={"help": "call trainer.train() a second time"})
 
 
 class Sequences(torch.utils.data.Dataset):
@@ -39,6 +40,9 @@ def main():
     model = GPT2LMHeadModel(config)
     trainer = Trainer(model=model, args=args, train_dataset=Sequences())
     trainer.train(resume_from_checkpoint=model_args.resume_from)
+    if model_args.train_twice:  # the Trainer calls amp.initialize again, on the same model (and a fresh state)
+        print("first losses", [log["loss"] for log in trainer.state.log_history if "loss" in log])
+        trainer.train()
     print("optimizer", type(trainer.optimizer).__module__, type(trainer.optimizer).__name__)
     print("losses", [log["loss"] for log in trainer.state.log_history if "loss" in log])
     state = trainer.model.state_dict()

@@ -120,6 +120,17 @@ def test_trainer_apex_backend_o1_trains_a_tiny_gpt2(tmp_path):
     assert re.search(r"optimizer \S*apex\.optimizers\S* FusedAdam", out)
 
 
+def test_trainer_train_called_twice_at_o2_initializes_again_and_continues(tmp_path):
+    """transformers calls amp.initialize on every train(): the second call closes the first session (the model back
+    to fp32 with its trained weights) and trains on from there."""
+    pytest.importorskip("transformers")
+    out = _trainer(tmp_path, tmp_path / "run", "O2", "--save_strategy", "no", "--train_twice", "true", steps=3)
+    first = [float(v) for v in re.search(r"^first losses \[(.*)\]", out, re.M).group(1).split(", ")]
+    second = [float(v) for v in re.search(r"^losses \[(.*)\]", out, re.M).group(1).split(", ")]
+    assert len(first) == len(second) == 3 and second[0] < first[-1] < first[0]  # the second run starts where the
+    # first ended (its first step already applied on the trained weights), not from the initial ones
+
+
 def test_trainer_o2_resume_of_a_tied_gpt2_from_checkpoint_is_bit_exact(tmp_path):
     """GPT-2 ties lm_head to wte: the Trainer checkpoint must hold it fp32 under both names (issue 13), or the
     resumed masters differ. (An untied run takes the same O2 resume path; left out for the test-time budget.)"""

@@ -17,6 +17,7 @@ import functools
 import logging
 import sys
 import time
+import warnings
 
 import torch
 
@@ -54,7 +55,7 @@ def agree_overflow(found_inf, device=None):
     return bool(flag.item())
 
 
-def _all_reduce_and_let_go(dist, tensor, op, limit_s=1.0):
+def _all_reduce_and_let_go(dist, tensor, op, limit_s=0.2):
     """A blocking all-reduce that, under gloo, also yields the GIL until the worker thread dropped ``tensor``.
 
     The collective returns as soon as its work completes; gloo's worker drops the work's tensors a moment later,
@@ -68,7 +69,12 @@ def _all_reduce_and_let_go(dist, tensor, op, limit_s=1.0):
     if dist.get_backend() != "gloo":
         return
     deadline = time.monotonic() + limit_s
-    while sys.getrefcount(tensor) > refs and time.monotonic() < deadline:
+    while sys.getrefcount(tensor) > refs:
+        if time.monotonic() > deadline:
+            warnings.warn(f"amp_patch: gloo kept a reference to the overflow flag {limit_s} s after the all-reduce "
+                          "returned (a debug recorder holding tensors?); every step waits this long for it "
+                          "(shown once)", RuntimeWarning, stacklevel=2)
+            return
         time.sleep(0)  # releases the GIL
 
 

@@ -88,3 +88,14 @@ def test_twenty_runs_of_the_two_rank_o2_script_exit_cleanly(tmp_path):
     bad = {i: codes for i, codes in enumerate(runs) if codes != [0, 0]}
     aborts = sum(code == -6 for codes in runs for code in codes)
     assert not bad, f"{len(bad)} of 20 runs did not exit cleanly ({aborts} SIGABRT): {bad}"
+
+
+def test_a_reference_gloo_never_drops_costs_the_limit_and_says_so_once():
+    flag, holder = torch.zeros(1), []
+
+    class _Keeps(_SlowWorkerDist):
+        def all_reduce(self, tensor, op):
+            holder.append(tensor)
+
+    with pytest.warns(RuntimeWarning, match="kept a reference to the overflow flag"):
+        amp_dist._all_reduce_and_let_go(_Keeps("gloo", 0), flag, "max", limit_s=0.05)

@@ -13,7 +13,7 @@ import torch
 from . import distributed
 from .errors import UsageError
 from .frontend import _as_list, _attach_optimizers, _link_masters
-from .scaling import _finish_step, _quiet, current_session
+from .scaling.protocol import _finish_step, _quiet, current_session
 
 
 def attach_optimizers(optimizers, *, unscale_loss_id=None):

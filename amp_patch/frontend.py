@@ -1,4 +1,4 @@
-"""The Apex-compatible entry points: initialize, deinitialize, amp state, master params (scale_loss: scaling.py)."""
+"""The Apex-compatible entry points: initialize, deinitialize, amp state, master params (scale_loss: scaling/protocol.py)."""
 import functools
 import logging
 
@@ -11,12 +11,12 @@ from .errors import ConfigError, UsageError
 from .models import ModelPatch
 from .oplist import load_op_lists
 from .opt_levels import resolve
-from .optim_state import OptimizerState
+from .scaling.optimizer_state import OptimizerState
 from .patcher import Patcher
 from .registry import REGISTRY
 from .diagnostics import OverflowDiagnoser, StepHistory
-from .scaler import LossScaler, load_state_dict_into, state_dict_for
-from .scaling import current_session as _session
+from .scaling.scaler import LossScaler, load_state_dict_into, state_dict_for
+from .scaling.protocol import current_session as _session
 from .session import Session
 from .tracing import Tracer
 

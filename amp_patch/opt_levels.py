@@ -10,7 +10,7 @@ import torch
 
 from .casting import HALF_DTYPES
 from .errors import ConfigError
-from .scaler import parse_loss_scale as _parse_static_or_dynamic
+from .scaling.scaler import parse_loss_scale as _parse_static_or_dynamic
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Tests of amp_patch.scaler: the loss-scale state machine, unscaling, checkpoints, logging, validation."""
+"""Tests of amp_patch.scaling.scaler: the loss-scale state machine, unscaling, checkpoints, logging, validation."""
 import io
 import logging
 import random
@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import amp_patch.scaler as scaler_mod
-import amp_patch.unscale as unscale_mod
+import amp_patch.scaling.scaler as scaler_mod
+import amp_patch.scaling.unscale as unscale_mod
 from amp_patch.errors import ConfigError, UsageError
-from amp_patch.scaler import LossScaler, load_state_dict_into, state_dict_for, unscale_, unscale_into
+from amp_patch.scaling.scaler import LossScaler, load_state_dict_into, state_dict_for, unscale_, unscale_into
 
 INF, NAN = float("inf"), float("nan")
 HALF_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import amp_patch
-from amp_patch import unscale
+from amp_patch.scaling import unscale
 
 N = 300_000  # > 2**18 = 262,144
 FP32_MAX = torch.finfo(torch.float32).max

@@ -14,8 +14,8 @@ import logging
 from .. import _state, distributed
 from ..errors import UsageError
 from ..frontend import deinitialize, initialize
-from ..optim_state import OptimizerState
-from ..scaler import LossScaler
+from ..scaling.optimizer_state import OptimizerState
+from ..scaling.scaler import LossScaler
 from .amp_state import ScalerView
 from .unsupported import attribute_error
 

@@ -1,6 +1,6 @@
 """Apex's ``FP16_Optimizer`` on amp_patch's O2 pieces: the per-optimizer master-weight state (fp32 masters in
 ``param_groups``, unscale into fp32 master grads, skipped steps, masters copied into the model after a step)
-and amp_patch's :class:`~amp_patch.scaler.LossScaler`.
+and amp_patch's :class:`~amp_patch.scaling.scaler.LossScaler`.
 
 Differences from Apex (docs/migration.md): a static ``static_loss_scale`` also skips a step whose grads are
 inf/NaN (Apex applied it); ``state_dict()["loss_scaler"]`` is the scaler's state dict, not a pickled object;
@@ -12,8 +12,8 @@ import torch
 
 from .... import distributed
 from ....errors import ConfigError
-from ....optim_state import OptimizerState
-from ....scaler import LossScaler
+from ....scaling.optimizer_state import OptimizerState
+from ....scaling.scaler import LossScaler
 
 log = logging.getLogger("amp_patch")
 __all__ = ["FP16_Optimizer"]

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 
 from amp_patch.errors import ConfigError
-from amp_patch.unscale import unscale_, unscale_into  # noqa: F401 - re-exported
+from amp_patch.scaling.unscale import unscale_, unscale_into  # noqa: F401 - re-exported
 
 logger = logging.getLogger("amp_patch")
 
@@ -300,7 +300,7 @@ def _check_state_keys(sd, where):
             hint = ""
             if isinstance(key, str) and key.startswith(KEY_PREFIX):
                 hint = (" This looks like the dict of all loss scalers; load it with amp_patch.load_state_dict "
-                        "(or amp_patch.scaler.load_state_dict_into) instead.")
+                        "(or amp_patch.scaling.scaler.load_state_dict_into) instead.")
             raise ConfigError(f"{where}: unknown key {key!r}; allowed keys: {', '.join(sorted(_STATE_KEYS))}.{hint}")
     if "loss_scale" not in sd:
         raise ConfigError(f"{where}: missing required key 'loss_scale' (keys present: "

@@ -24,9 +24,9 @@ import weakref
 
 import torch
 
-from . import distributed
-from .casting import HALF_DTYPES
-from .errors import UsageError
+from .. import distributed
+from ..casting import HALF_DTYPES
+from ..errors import UsageError
 from .unscale import unscale_
 
 

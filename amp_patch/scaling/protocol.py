@@ -4,9 +4,9 @@ import warnings
 
 import torch
 
-from . import _state, distributed
-from .diagnostics import bad_grads, skip_cause
-from .errors import ConfigError, UsageError
+from .. import _state, distributed
+from ..diagnostics import bad_grads, skip_cause
+from ..errors import ConfigError, UsageError
 
 
 def current_session(api):

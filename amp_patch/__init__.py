@@ -8,11 +8,11 @@ import torch
 
 from .errors import (AmpPatchError, BannedOpError, CastError, ConfigError, NotInitializedError, OpListError,
                      PatchError, UsageError)
-from .oplist import OpEntry, OpTable, load_op_lists, shipped_names
-from .regions import autocast
+from .casting.oplist import OpEntry, OpTable, load_op_lists, shipped_names
+from .casting.regions import autocast
 from .tracing import trace
-from .registry import (disable_casts, float_function, half_function, promote_function, register_float_function,
-                       register_half_function, register_promote_function)
+from .casting.registry import (disable_casts, float_function, half_function, promote_function, register_float_function,
+                               register_half_function, register_promote_function)
 from .frontend import (clear_cache, deinitialize, history, initialize, last_overflow, last_step_skipped,
                        load_state_dict, loss_scale, master_params, state_dict)
 from .scaling import scale_loss

@@ -66,7 +66,7 @@ def _add_validate(subparsers):
 
 def _spec_for(arg):
     """A bare name that is an existing file but not a shipped list is the file (``mylist`` -> ``./mylist``)."""
-    from .oplist import _looks_like_path, shipped_names
+    from .casting.oplist import _looks_like_path, shipped_names
     if not _looks_like_path(arg) and arg not in shipped_names() and os.path.isfile(arg):
         return os.path.join(os.curdir, arg)
     return arg
@@ -78,7 +78,7 @@ def _counts_text(table):
 
 def _run_validate(args):
     from .errors import AmpPatchError, OpListError
-    from .oplist import load_op_lists
+    from .casting.oplist import load_op_lists
     failed = 0
     model = _job_model(args.job) if args.job else None
     if model is False:
@@ -123,7 +123,7 @@ def _job_model(spec):
 
 def _scopes_match(arg, table, model):
     """Report each scopes: glob that matches no module of ``model``; True when every glob matches one."""
-    from .scopes import unmatched_globs
+    from .casting.scopes import unmatched_globs
     unmatched = unmatched_globs(table.scopes, [model])
     for scope in unmatched:
         print(f"{scope.path}:{scope.line}: scope {scope.glob!r} matches no module of the job's model "
@@ -150,7 +150,7 @@ def _add_lists(subparsers):
 
 def _run_lists(args):
     from .errors import AmpPatchError
-    from .oplist import load_op_lists, shipped_names
+    from .casting.oplist import load_op_lists, shipped_names
     names = shipped_names()
     width = max((len(n) for n in names), default=0)
     status = 0

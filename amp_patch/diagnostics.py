@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from .casting import iter_tensors
+from .casting.wrappers import iter_tensors
 from .module_compat import forward_hooks, forward_pre_hook
 
 log = logging.getLogger("amp_patch")

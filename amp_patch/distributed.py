@@ -23,7 +23,7 @@ import torch
 
 from . import _state
 from .errors import UsageError
-from .patcher import Patcher
+from .casting.patcher import Patcher
 
 __all__ = ["agree_overflow", "broadcast_master_params", "masters_out_of_sync", "check_unscale_inside_no_sync",
            "world_size", "rank"]

@@ -1,19 +1,20 @@
-"""The Apex-compatible entry points: initialize, deinitialize, amp state, master params (scale_loss: scaling/protocol.py)."""
+"""The Apex-compatible entry points: initialize, deinitialize, amp state, master params (scale_loss: scaling/)."""
 import functools
 import logging
 
 import torch
 
-from . import _state, distributed, early_bound, module_compat
-from .casting import HALF_DTYPES
-from .engine import CastingEngine
+from . import _state, distributed, module_compat
+from .casting import early_bound
+from .casting.wrappers import HALF_DTYPES
+from .casting.engine import CastingEngine
 from .errors import ConfigError, UsageError
 from .models import ModelPatch
-from .oplist import load_op_lists
+from .casting.oplist import load_op_lists
 from .opt_levels import resolve
 from .scaling.optimizer_state import OptimizerState
-from .patcher import Patcher
-from .registry import REGISTRY
+from .casting.patcher import Patcher
+from .casting.registry import REGISTRY
 from .diagnostics import OverflowDiagnoser, StepHistory
 from .scaling.scaler import LossScaler, load_state_dict_into, state_dict_for
 from .scaling.protocol import current_session as _session

@@ -8,7 +8,7 @@ and a load_state_dict pre-hook (loading also updates the masters).
 """
 import torch
 
-from .casting import FLOAT_DTYPES, HALF_DTYPES, cast_tree
+from .casting.wrappers import FLOAT_DTYPES, HALF_DTYPES, cast_tree
 from .module_compat import forward_hook, forward_pre_hook
 
 _BATCHNORM = (torch.nn.modules.batchnorm._BatchNorm,)

@@ -16,7 +16,7 @@ from threading import get_ident
 import torch
 from torch.nn.modules import module as _module_mod
 
-from .patcher import Patcher
+from .casting.patcher import Patcher
 
 FAST_PATH_TYPES = (torch.nn.TransformerEncoderLayer,)
 _VF_OF_MODE = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}

@@ -1,7 +1,7 @@
 """The session: every piece of state one ``initialize`` call creates, and how to undo it."""
 import logging
 
-from . import early_bound
+from .casting import early_bound
 
 from .errors import UsageError
 

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 import amp_patch
 from amp_patch import _state
-from amp_patch.registry import REGISTRY
+from amp_patch.casting.registry import REGISTRY
 from tests_support import leaks_of
 
 # Importing these patches torch attributes on first use (e.g. dynamo wraps torch.manual_seed); do it
@@ -15,7 +15,7 @@ import torch._dynamo  # noqa: F401,E402
 
 def _patched_namespaces():
     """Every target of every shipped op list, plus the namespaces user registrations and tests touch."""
-    from amp_patch._resolve import resolve_target
+    from amp_patch.casting.resolve import resolve_target
 
     found = {id(ns): ns for ns in (torch, F, torch.Tensor, torch._C.TensorBase, torch._VF, torch.optim.Optimizer)}
     for name in amp_patch.shipped_names():

@@ -45,7 +45,7 @@ def test_validate_valid_file(tmp_path, capsys):
     assert err == ""
     lines = out.splitlines()
     assert lines[0] == (f"{path}: OK, 2 entries (half 1, float 1, promote 0, sequence_promote 0, banned 0); "
-                        f"2 skipped on torch {amp_patch.oplist.torch.__version__}")
+                        f"2 skipped on torch {amp_patch.casting.oplist.torch.__version__}")
     assert lines[1].startswith(f"  skipped float torch.op_from_the_future ({path}:7): needs torch >= 99.0")
     assert lines[2].startswith(f"  skipped float torch.op_nobody_has ({path}:9): optional and absent")
     assert len(lines) == 3
@@ -217,10 +217,10 @@ def test_import_reads_no_yaml_and_patches_nothing():
         import sys
         import torch
         original = torch.matmul, torch.nn.functional.linear, torch.Tensor.__add__
-        import amp_patch._yaml, amp_patch.oplist
+        from amp_patch.casting import _yaml, oplist
         def refuse(*args, **kwargs):
             raise SystemExit("YAML read at import time")
-        amp_patch._yaml.load = amp_patch.oplist._read_shipped = amp_patch.oplist._read_path = refuse
+        _yaml.load = oplist._read_shipped = oplist._read_path = refuse
         import amp_patch.cli
         assert (torch.matmul, torch.nn.functional.linear, torch.Tensor.__add__) == original
         lazy = [m for m in ("amp_patch.experiment", "amp_patch.legacy", "amp_patch.trace_cli") if m in sys.modules]

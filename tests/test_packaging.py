@@ -3,7 +3,7 @@ import configparser
 import pathlib
 
 import amp_patch
-from amp_patch import oplist
+from amp_patch.casting import oplist
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 

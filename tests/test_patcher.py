@@ -5,7 +5,7 @@ import types
 import pytest
 
 from amp_patch.errors import PatchError
-from amp_patch.patcher import Patcher
+from amp_patch.casting.patcher import Patcher
 from tests_support import leaks_of
 
 

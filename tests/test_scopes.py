@@ -10,7 +10,7 @@ from torch import nn
 
 import amp_patch
 from amp_patch import cli
-from amp_patch.scopes import compile_glob
+from amp_patch.casting.scopes import compile_glob
 
 HALF = torch.float16
 

@@ -16,8 +16,8 @@ from .. import _state
 from ..frontend import deinitialize, load_state_dict, master_params, state_dict
 from ..frontend import initialize as _initialize
 from ..scaling import scale_loss
-from ..registry import (disable_casts, float_function, half_function, promote_function, register_float_function,
-                        register_half_function, register_promote_function)
+from ..casting.registry import (disable_casts, float_function, half_function, promote_function, register_float_function,
+                                register_half_function, register_promote_function)
 from .amp_state import AMP_STATE as _amp_state
 from .handle import init
 from .unsupported import attribute_error

@@ -11,7 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import _state, frontend
-from ..casting import HALF_DTYPES, cast_tree, iter_tensors
+from ..casting.wrappers import HALF_DTYPES, cast_tree, iter_tensors
 from ..tracing import running_modules
 
 _MAX_EVENTS = 32

@@ -25,7 +25,7 @@ import weakref
 import torch
 
 from .. import distributed
-from ..casting import HALF_DTYPES
+from ..casting.wrappers import HALF_DTYPES
 from ..errors import UsageError
 from .unscale import unscale_
 

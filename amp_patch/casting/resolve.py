@@ -15,7 +15,7 @@ import types
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .patcher import _MISSING, find_site
 
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -10,8 +10,8 @@ import threading
 
 import torch
 
-from ._resolve import resolve_target
-from .casting import CastCache, DisabledThreads, make_to_half, make_wrapper
+from .resolve import resolve_target
+from .wrappers import CastCache, DisabledThreads, make_to_half, make_wrapper
 from .patcher import Patcher
 from .scopes import ScopeRuntime, passthrough, unmatched_globs
 
@@ -19,7 +19,7 @@ log = logging.getLogger("amp_patch")
 
 
 class CastingEngine:
-    """Installs the wrappers for an :class:`~amp_patch.oplist.OpTable` plus user registrations."""
+    """Installs the wrappers for an :class:`~amp_patch.casting.oplist.OpTable` plus user registrations."""
 
     def __init__(self, table, *, half_dtype=torch.float16, allow_banned=False, registrations=()):
         self.table = table

@@ -8,7 +8,7 @@ MAX_CHARS characters and more than MAX_DEPTH levels of nesting are errors.
 """
 import functools
 
-from .errors import OpListError
+from ..errors import OpListError
 
 
 class Map(dict):

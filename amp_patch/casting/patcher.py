@@ -11,7 +11,7 @@ reverse order of installation.
 import dataclasses
 import logging
 
-from .errors import PatchError
+from ..errors import PatchError
 
 log = logging.getLogger("amp_patch")
 _MISSING = object()

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 import torch
 
 from . import _yaml, scopes as _scopes
-from ._resolve import resolve_name, resolve_target
-from .errors import ConfigError, OpListError
+from .resolve import resolve_name, resolve_target
+from ..errors import ConfigError, OpListError
 
 log = logging.getLogger("amp_patch")
 
@@ -58,7 +58,7 @@ class OpTable:
         self._entries = {(e.target, e.name): e for e in entries}
         self.skipped = tuple(skipped)
         self.sources = tuple(sources)
-        self.scopes = tuple(scopes)  # scopes.Scope, from the ``scopes:`` sections (see amp_patch.scopes)
+        self.scopes = tuple(scopes)  # scopes.Scope, from the ``scopes:`` sections (see amp_patch.casting.scopes)
 
     @property
     def entries(self):
@@ -97,7 +97,7 @@ def _shipped_dir():
     try:
         return importlib.resources.files("amp_patch.op_lists")
     except ModuleNotFoundError:
-        return pathlib.Path(__file__).resolve().parent.parent / "op_lists"
+        return pathlib.Path(__file__).resolve().parent.parent.parent / "op_lists"
 
 
 def _read_shipped(name):

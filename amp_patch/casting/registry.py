@@ -9,9 +9,9 @@ import contextlib
 import dataclasses
 import functools
 
-from . import _state
-from .casting import cast_call_args
-from .errors import ConfigError, UsageError
+from .. import _state
+from .wrappers import cast_call_args
+from ..errors import ConfigError, UsageError
 from .oplist import OpEntry
 
 

@@ -15,9 +15,9 @@ import warnings
 
 import torch
 
-from . import _state
+from .. import _state
 from .engine import CastingEngine
-from .errors import ConfigError, UsageError
+from ..errors import ConfigError, UsageError
 from .oplist import load_op_lists
 
 _lock = threading.Lock()

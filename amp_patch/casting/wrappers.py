@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from .errors import BannedOpError, CastError
+from ..errors import BannedOpError, CastError
 
 Tensor = torch.Tensor
 FP32 = torch.float32

@@ -137,7 +137,8 @@ def test_deinitialize_after_an_interrupted_backward_leaves_no_half_grad(level):
     assert all(p.grad.dtype is torch.float32 for p in model.parameters())
 
 
-def test_o2_zero_grad_clears_the_half_model_grads_and_the_pending_scale():
+def _o2_batch_failed_after_backward():
+    """An O2 model whose batch raised after backward: half grads and a pending scale are left behind."""
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp_patch.initialize(model, opt, opt_level="O2", verbosity=0)
@@ -146,6 +147,11 @@ def test_o2_zero_grad_clears_the_half_model_grads_and_the_pending_scale():
         with amp_patch.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
             scaled.backward()
             raise Fault("after backward")
+    return model, opt, (x, y)
+
+
+def test_o2_zero_grad_clears_the_half_model_grads_and_the_pending_scale():
+    model, opt, (x, y) = _o2_batch_failed_after_backward()
     assert all(p.grad is not None and p.grad.dtype is torch.float16 for p in model.parameters())
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
@@ -189,14 +195,7 @@ def test_module_zero_grad_after_an_overflow_does_not_skip_the_next_step(level):
 
 
 def test_o2_zero_grad_without_set_to_none_then_step_is_not_a_plain_backward():
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp_patch.initialize(model, opt, opt_level="O2", verbosity=0)
-    (x, y), _ = _batches()[0]
-    with pytest.raises(Fault):
-        with amp_patch.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
-            scaled.backward()
-            raise Fault("after backward")
+    model, opt, (x, y) = _o2_batch_failed_after_backward()
     opt.zero_grad(set_to_none=False)
     opt.step()  # no grads left anywhere: a no-op step, not "backward outside scale_loss"
     assert all(p.grad is None for p in model.parameters())

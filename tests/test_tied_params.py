@@ -33,14 +33,7 @@ def _setup(level, seed=0):
 
 
 def _train(model, opt, steps, seed):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        ids = torch.randint(0, 11, (6,), generator=g)
-        loss = F.cross_entropy(model(ids).float(), torch.randint(0, 11, (6,), generator=g))
-        with amp_patch.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
+    _continue(model, opt, steps, torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("level", ["O2", "O3"])

@@ -167,6 +167,20 @@ def test_compiled_model_keeps_the_scope_dtypes():
     assert eager[0][0]["attn"] == torch.float32
 
 
+@pytest.mark.parametrize("scopes,breaks", [({}, 0), ({"layers.*.attn": {"float": {"torch": ["bmm"]}}}, 2)],
+                         ids=["no scope", "two scoped calls"])
+def test_compile_breaks_the_graph_once_per_scoped_call_and_nowhere_else(scopes, breaks):
+    """docs/op_lists.md: a scoped module runs eagerly, one graph break per call; the rest compiles."""
+    torch._dynamo.reset()
+    model = _init(Net(), scopes)
+    try:
+        explained = torch._dynamo.explain(model)(X)
+    finally:
+        amp_patch.deinitialize()
+        torch._dynamo.reset()
+    assert (explained.graph_break_count, explained.graph_count) == (breaks, breaks + 1)
+
+
 def test_trace_names_the_scope_that_decided_each_call():
     model = _init(Net(), {"layers.0.attn": {"float": {"torch": ["bmm"]}}})
     try:

@@ -84,7 +84,7 @@ def _kwargs(level, dtype):
 
 
 def _run(level, dtype, fault):
-    """Train; returns (model, optimizer, loss scale, originals before initialize)."""
+    """Train; returns (model, optimizer, scaler states, momentum, originals before initialize)."""
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     before = [(t, t.dtype) for t in list(model.parameters()) + list(model.buffers())]
@@ -95,7 +95,7 @@ def _run(level, dtype, fault):
         elif fault is not None:
             with pytest.raises(KeyboardInterrupt if fault == "sigint_backward" else Fault):
                 _train_step(model, opt, micro, fault)
-    scale = amp_patch.loss_scale()
+    scale = amp_patch.state_dict()  # every scaler's full state: scale, growth/hysteresis trackers, step counts
     momentum = [opt.state[p]["momentum_buffer"].clone() for p in amp_patch.master_params(opt)]
     amp_patch.deinitialize()
     return model, opt, scale, momentum, before
@@ -199,3 +199,33 @@ def test_o2_zero_grad_without_set_to_none_then_step_is_not_a_plain_backward():
     opt.zero_grad(set_to_none=False)
     opt.step()  # no grads left anywhere: a no-op step, not "backward outside scale_loss"
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_zero_grad_without_a_step_rolls_back_clean_updates_but_keeps_backoffs(level):
+    """A batch dropped before its step() (zero_grad() next) never happened for the scaler, unless it overflowed:
+    a backoff is news about the scale (a loop that skips step() on overflow must not retry at the same scale)."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=torch.float16, verbosity=0)
+    (x, y), _ = _batches()[0]
+    try:
+        before = amp_patch.state_dict()
+        with amp_patch.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+        assert amp_patch.state_dict() != before  # the clean exit counted a step
+        opt.zero_grad()
+        assert amp_patch.state_dict() == before
+        with amp_patch.scale_loss(F.mse_loss(model(x).float(), y) * float("inf"), opt) as scaled:
+            scaled.backward()
+        backed_off = amp_patch.state_dict()
+        assert backed_off["loss_scaler0"]["loss_scale"] == before["loss_scaler0"]["loss_scale"] / 2
+        opt.zero_grad()
+        assert amp_patch.state_dict() == backed_off
+        with amp_patch.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()  # after a completed step nothing is rolled back
+        assert amp_patch.state_dict()["loss_scaler0"]["steps"] == backed_off["loss_scaler0"]["steps"] + 1
+    finally:
+        amp_patch.deinitialize()

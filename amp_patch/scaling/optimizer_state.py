@@ -45,6 +45,7 @@ class OptimizerState:
         self.pending_inf = False
         self.unreduced = False  # pending grads came from inside DDP no_sync(): they stay in param.grad until reduced
         self.masters_stale = False
+        self.undo_updates = {}  # scaler -> memento before this step's updates (None: an overflow, kept)
         self.engine = None  # the session's casting engine (O1): paused during step()
         self.in_scale_loss = False  # an open scale_loss block names this optimizer (nesting is refused)
         self.foreign = None  # (loss_id, {id(param): (weakref, version)}): grads another loss's block left scaled
@@ -185,11 +186,24 @@ class OptimizerState:
                          f"multiplied by the loss scale. Pass this optimizer to that scale_loss call "
                          f"(scale_loss(loss, [opt1, opt2])), or clear its grads (optimizer.zero_grad()) first.")
 
+    def note_update(self, scaler, memento, found_inf):
+        """``scaler`` was updated for this optimizer's coming step; ``memento`` is its state before."""
+        if found_inf:
+            self.undo_updates[scaler] = None  # a backoff is news about the scale: kept even if the step never runs
+        else:
+            self.undo_updates.setdefault(scaler, memento)
+
     def on_zero_grad(self):
         """``optimizer.zero_grad()`` ran: clear the half model grads too and forget any pending scale.
 
         The half grads become None even for ``set_to_none=False``: they are amp_patch's intermediate (each
-        scale_loss exit moves them into the masters' grads, which the optimizer itself zeroes)."""
+        scale_loss exit moves them into the masters' grads, which the optimizer itself zeroes). Scaler updates
+        made for a step that never completed (``step()`` raised, or was never called) are rolled back, except
+        backoffs after an overflow."""
+        for scaler, memento in self.undo_updates.items():
+            if memento is not None:
+                scaler.roll_back(memento)
+        self.undo_updates.clear()
         for model_p, _ in self.pairs:
             model_p.grad = None
         self.pending_scaler, self.pending_inf, self.skip_next, self.foreign = None, False, False, None
@@ -214,8 +228,10 @@ class OptimizerState:
         if self.pending_scaler is not None:  # the last backward was delayed (or raised): finish it now
             scaler = self.pending_scaler
             found = distributed.agree_overflow(self.after_backward(scaler, False))
+            memento = scaler.memento()
             if scaler.update(found):
                 self.skip_next = True
+            self.note_update(scaler, memento, found)
         self.last_skipped = self.skip_next
         self.skip_next = False
         if self.last_skipped:
@@ -226,6 +242,7 @@ class OptimizerState:
                 model_p.grad = None
 
     def _post_step(self, optimizer, args, kwargs):
+        self.undo_updates.clear()
         if self.engine is not None:
             self.engine.resume_after_step()
         if self.pairs and not self.last_skipped:

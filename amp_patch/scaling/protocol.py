@@ -180,9 +180,11 @@ def _warn_if_masters_diverged(states):
 def _finish_step(session, scaler, loss_id, states, found_inf, loss=None):
     if states and all(state.skip_next for state in states):
         return  # a later micro-batch of a step already doomed by an overflow: the step counts once
-    before = scaler.scale
+    before, memento = scaler.scale, scaler.memento()
     warming_up = session.history is not None and session.history.warming_up(loss_id, scaler)
     skip = scaler.update(found_inf)
+    for state in states:
+        state.note_update(scaler, memento, found_inf)
     if skip:
         for state in states:
             state.skip_next = True

@@ -176,6 +176,16 @@ class LossScaler:
             return unscale_(grads, self._scale)
         return unscale_into(grads, out, self._scale)
 
+    def memento(self):
+        """What :meth:`update` changes, for :meth:`roll_back` (a step that never completed)."""
+        return (self._scale, self._growth_tracker, self._hysteresis_tracker, self.steps, self.skipped_steps,
+                self.last_overflow)
+
+    def roll_back(self, memento):
+        """Return to the state :meth:`memento` captured."""
+        (self._scale, self._growth_tracker, self._hysteresis_tracker, self.steps, self.skipped_steps,
+         self.last_overflow) = memento
+
     def update(self, found_inf):
         """Advance the state machine after one unscale; return True if the step must be skipped."""
         self.steps += 1

@@ -104,6 +104,17 @@ def test_apex_ddp_wraps_a_converted_model_on_cpu_but_torch_syncbn_stays_refused(
         DistributedDataParallel(torch_syncbn)
 
 
+def test_apex_ddp_frees_its_reducer_before_its_python_process_group(one_rank):
+    """The group's last reference must be the Python one, whose destructor releases the GIL before joining gloo's
+    workers (freed last by the C++ reducer, it joins holding the GIL: a worker that needs it hangs the exit)."""
+    import weakref
+
+    ddp = DistributedDataParallel(_net())
+    reducer, group = weakref.ref(ddp.__dict__["reducer"]), ddp.process_group
+    ddp.__del__()
+    assert reducer() is None and "logger" not in ddp.__dict__ and ddp.process_group is group
+
+
 def test_fuse_relu_and_residual(one_rank):
     bn = SyncBatchNorm(3, fuse_relu=True).eval()
     x, z = torch.randn(2, 3, 4), torch.randn(2, 3, 4)

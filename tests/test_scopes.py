@@ -11,6 +11,7 @@ from torch import nn
 import amp_patch
 from amp_patch import cli
 from amp_patch.casting.scopes import compile_glob
+from tests_support import run_killing_group
 
 HALF = torch.float16
 
@@ -167,18 +168,28 @@ def test_compiled_model_keeps_the_scope_dtypes():
     assert eager[0][0]["attn"] == torch.float32
 
 
-@pytest.mark.parametrize("scopes,breaks", [({}, 0), ({"layers.*.attn": {"float": {"torch": ["bmm"]}}}, 2)],
-                         ids=["no scope", "two scoped calls"])
-def test_compile_breaks_the_graph_once_per_scoped_call_and_nowhere_else(scopes, breaks):
-    """docs/op_lists.md: a scoped module runs eagerly, one graph break per call; the rest compiles."""
-    torch._dynamo.reset()
-    model = _init(Net(), scopes)
+_EXPLAIN = """
+import sys, torch, amp_patch, test_scopes as t
+for scopes in ({}, {"layers.*.attn": {"float": {"torch": ["bmm"]}}}):
+    model = t._init(t.Net(), scopes)
     try:
-        explained = torch._dynamo.explain(model)(X)
+        e = torch._dynamo.explain(model)(t.X)
     finally:
         amp_patch.deinitialize()
         torch._dynamo.reset()
-    assert (explained.graph_break_count, explained.graph_count) == (breaks, breaks + 1)
+    print("breaks", e.graph_break_count, "graphs", e.graph_count, flush=True)
+"""
+
+
+def test_compile_breaks_the_graph_once_per_scoped_call_and_nowhere_else(tmp_path):
+    """docs/op_lists.md: a scoped module runs eagerly, one graph break per call; the rest compiles. Measured in a
+    fresh interpreter: in this long test process earlier tests' dynamo state changes the counts (3 breaks with no
+    scope were seen after the whole suite; see the closing note of the session that wrote this)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    proc = run_killing_group([sys.executable, "-c", _EXPLAIN], tmp_path, env, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == ["breaks 0 graphs 1", "breaks 2 graphs 3"], proc.stdout
 
 
 def test_trace_names_the_scope_that_decided_each_call():

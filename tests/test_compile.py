@@ -1,9 +1,12 @@
 """O1 under torch.compile: same output dtypes as eager and no graph break caused by the wrappers."""
+import os
+import sys
+
 import pytest
 import torch
 
 import amp_patch
-from tests_support import SmallNet
+from tests_support import SmallNet, run_killing_group
 
 
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -21,3 +24,28 @@ def test_compiled_o1_matches_eager_dtypes_without_graph_breaks(half):
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
     torch._dynamo.reset()
+
+
+_AFTER_A_PROCESS_GROUP = """
+import os, torch, torch.distributed as dist, amp_patch, test_scopes as t
+# init_process_group clears dynamo's table of torch functions; a compile inside a session then rebuilt it from
+# amp_patch's wrappers, and every later session broke the graph at each patched call
+dist.init_process_group("gloo", init_method="file://" + os.path.join(os.getcwd(), "store"), rank=0, world_size=1)
+dist.destroy_process_group()
+for session in range(3):
+    model = t._init(t.Net(), {})
+    try:
+        e = torch._dynamo.explain(model)(t.X)
+    finally:
+        amp_patch.deinitialize()
+        torch._dynamo.reset()
+    print("breaks", e.graph_break_count, "graphs", e.graph_count, flush=True)
+"""
+
+
+def test_sessions_after_a_process_group_compile_without_graph_breaks(tmp_path):
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    proc = run_killing_group([sys.executable, "-c", _AFTER_A_PROCESS_GROUP], tmp_path, env, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:3] == ["breaks 0 graphs 1"] * 3, proc.stdout

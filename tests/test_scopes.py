@@ -183,8 +183,8 @@ for scopes in ({}, {"layers.*.attn": {"float": {"torch": ["bmm"]}}}):
 
 def test_compile_breaks_the_graph_once_per_scoped_call_and_nowhere_else(tmp_path):
     """docs/op_lists.md: a scoped module runs eagerly, one graph break per call; the rest compiles. Measured in a
-    fresh interpreter: in this long test process earlier tests' dynamo state changes the counts (3 breaks with no
-    scope were seen after the whole suite; see the closing note of the session that wrote this)."""
+    fresh interpreter, away from what earlier tests left in dynamo (tests/test_compile.py covers the process
+    group that once made every later session break the graph)."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
     proc = run_killing_group([sys.executable, "-c", _EXPLAIN], tmp_path, env, timeout=180)

@@ -10,6 +10,7 @@ import threading
 
 import torch
 
+from . import dynamo_tables
 from .resolve import resolve_target
 from .wrappers import CastCache, DisabledThreads, make_to_half, make_wrapper
 from .patcher import Patcher
@@ -45,6 +46,7 @@ class CastingEngine:
         they contain no tracing code at all, so tracing off costs nothing.
         """
         self.tracer = tracer
+        dynamo_tables.build_before_patching()
         registered = {(id(reg.owner), reg.entry.name) for reg in self.registrations}
         owners = {}
         scoped = self._scoped_entries()
@@ -108,6 +110,7 @@ class CastingEngine:
         if self.scopes is not None:
             self.scopes.detach()
         self.patcher.restore_all()
+        dynamo_tables.forget_after_unpatching()
         self.cache.clear()
 
     def clear_cache(self):

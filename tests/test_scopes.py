@@ -11,7 +11,7 @@ from torch import nn
 import amp_patch
 from amp_patch import cli
 from amp_patch.casting.scopes import compile_glob
-from tests_support import run_killing_group
+from tests_support import run_python
 
 HALF = torch.float16
 
@@ -185,11 +185,7 @@ def test_compile_breaks_the_graph_once_per_scoped_call_and_nowhere_else(tmp_path
     """docs/op_lists.md: a scoped module runs eagerly, one graph break per call; the rest compiles. Measured in a
     fresh interpreter, away from what earlier tests left in dynamo (tests/test_compile.py covers the process
     group that once made every later session break the graph)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
-    proc = run_killing_group([sys.executable, "-c", _EXPLAIN], tmp_path, env, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split("\n")[:2] == ["breaks 0 graphs 1", "breaks 2 graphs 3"], proc.stdout
+    assert run_python(_EXPLAIN, tmp_path)[:2] == ["breaks 0 graphs 1", "breaks 2 graphs 3"]
 
 
 def test_trace_names_the_scope_that_decided_each_call():

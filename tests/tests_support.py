@@ -2,6 +2,7 @@
 import os
 import signal
 import subprocess
+import sys
 import types
 
 import pytest
@@ -83,6 +84,16 @@ def run_killing_group(cmd, cwd, env=None, timeout=120):
             out, err = "(output pipes still held open)", ""
         pytest.fail(f"{' '.join(map(str, cmd))} timed out after {timeout}s:\n{out[-3000:]}\n{err[-3000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_python(code, tmp_path, timeout=180):
+    """Run ``code`` in a fresh interpreter (tests/ and the checkout on sys.path, cwd tmp_path); return its stdout
+    lines, failing the test with its stderr when it exits non-zero."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    proc = run_killing_group([sys.executable, "-c", code], tmp_path, env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.splitlines()
 
 
 class SmallNet(torch.nn.Module):

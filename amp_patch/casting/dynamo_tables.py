@@ -19,15 +19,21 @@ def _trace_rules():
 
 
 def build_before_patching():
-    """Build dynamo's tables now, from torch's own functions (a no-op when they are built already)."""
+    """Build dynamo's tables now, from torch's own functions (a no-op when they are built already); returns the
+    table, for :func:`forget_after_unpatching`."""
     rules = _trace_rules()
-    if rules is not None:
-        rules.get_torch_obj_rule_map()
-        rules.get_tensor_method()
+    if rules is None:
+        return None
+    rules.get_tensor_method()
+    return rules.get_torch_obj_rule_map()
 
 
-def forget_after_unpatching():
-    """Drop dynamo's tables, so the next compile rebuilds them from whatever torch holds then."""
+def forget_after_unpatching(built):
+    """Drop dynamo's tables if they were rebuilt since :func:`build_before_patching` returned ``built`` (then they
+    may hold amp_patch's wrappers); the next compile rebuilds them from torch's own functions. Untouched tables
+    stay, so an ``amp_patch.autocast()`` region per batch costs no rebuild."""
     rules = _trace_rules()
-    if rules is not None:
+    if rules is None or rules.get_torch_obj_rule_map.cache_info().currsize == 0:
+        return  # cleared and not rebuilt since: nothing of amp_patch's in it
+    if rules.get_torch_obj_rule_map() is not built:
         rules.clear_lru_cache()

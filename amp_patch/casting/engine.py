@@ -32,6 +32,7 @@ class CastingEngine:
         self.to_half = make_to_half(half_dtype, self.cache)
         self.patcher = Patcher()
         self.tracer = None
+        self._dynamo_table = None  # dynamo's table as built before patching (see dynamo_tables)
         self._paused = set()  # threads inside an optimizer step
         self.scopes = ScopeRuntime(table.scopes) if getattr(table, "scopes", ()) else None
 
@@ -46,7 +47,7 @@ class CastingEngine:
         they contain no tracing code at all, so tracing off costs nothing.
         """
         self.tracer = tracer
-        dynamo_tables.build_before_patching()
+        self._dynamo_table = dynamo_tables.build_before_patching()
         registered = {(id(reg.owner), reg.entry.name) for reg in self.registrations}
         owners = {}
         scoped = self._scoped_entries()
@@ -110,7 +111,7 @@ class CastingEngine:
         if self.scopes is not None:
             self.scopes.detach()
         self.patcher.restore_all()
-        dynamo_tables.forget_after_unpatching()
+        dynamo_tables.forget_after_unpatching(self._dynamo_table)
         self.cache.clear()
 
     def clear_cache(self):

@@ -78,7 +78,7 @@ def _counts_text(table):
 
 def _run_validate(args):
     from .errors import AmpPatchError, OpListError
-    from .casting.oplist import load_op_lists
+    from .casting.oplist import inactive_report, load_op_lists
     failed = 0
     model = _job_model(args.job) if args.job else None
     if model is False:
@@ -102,9 +102,8 @@ def _run_validate(args):
         skipped = f"; {len(table.skipped)} skipped on torch {_torch_version()}" if table.skipped else ""
         scopes = f"; {len(table.scopes)} scope(s): {', '.join(s.glob for s in table.scopes)}" if table.scopes else ""
         print(f"{arg}: OK, {len(table)} entries ({_counts_text(table)}){skipped}{scopes}")
-        for item in table.skipped:
-            entry = item.entry
-            print(f"  skipped {entry.category} {entry.qualname} ({entry.path}:{entry.line}): {item.reason}")
+        for line in inactive_report(table):
+            print(line)
     if failed:
         print(f"amp-patch validate: {failed} of {len(args.specs)} op list(s) invalid", file=sys.stderr)
     return 1 if failed else 0
@@ -150,7 +149,7 @@ def _add_lists(subparsers):
 
 def _run_lists(args):
     from .errors import AmpPatchError
-    from .casting.oplist import load_op_lists, shipped_names
+    from .casting.oplist import inactive_report, load_op_lists, shipped_names
     names = shipped_names()
     width = max((len(n) for n in names), default=0)
     status = 0
@@ -161,7 +160,10 @@ def _run_lists(args):
             print(str(exc), file=sys.stderr)
             status = 1
             continue
-        print(f"{name:<{width}}  {len(table):4d} entries ({_counts_text(table)})")
+        inactive = f"; {len(table.skipped)} skipped on torch {_torch_version()}" if table.skipped else ""
+        print(f"{name:<{width}}  {len(table):4d} entries ({_counts_text(table)}){inactive}")
+        for line in inactive_report(table):
+            print(line)
     return status
 
 

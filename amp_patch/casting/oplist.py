@@ -105,7 +105,9 @@ def _read_shipped(name):
     if not resource.is_file():
         raise ConfigError(f"op_lists={name!r}: no shipped op list of that name; shipped: "
                           f"{', '.join(shipped_names())}; or pass a path to a YAML file")
-    return resource.read_text(encoding="utf-8"), f"op_lists/{name}.yaml", None
+    # entries and sources keep the short name; errors name the file as the user can open it
+    opened = os.path.realpath(resource) if isinstance(resource, pathlib.Path) else f"op_lists/{name}.yaml"
+    return resource.read_text(encoding="utf-8"), f"op_lists/{name}.yaml", None, opened
 
 
 def _looks_like_path(spec):
@@ -118,7 +120,7 @@ def _read_path(spec, relative_to=None):
         path = os.path.join(relative_to, path)
     try:
         with open(path, encoding="utf-8") as f:
-            return f.read(), path, os.path.dirname(os.path.abspath(path))
+            return f.read(), path, os.path.dirname(os.path.abspath(path)), path
     except (OSError, ValueError) as exc:  # ValueError: embedded null byte
         reason = getattr(exc, "strerror", None) or exc
         raise ConfigError(f"op list file {path!r} cannot be read ({reason}); pass an existing YAML file "
@@ -150,14 +152,14 @@ def _load_one(spec, base, stack, relative_to=None):
         raise ConfigError(f"op_lists item {spec!r} ({type(spec).__name__}) is not supported; pass a shipped "
                           "name, a path, a mapping, or a list of these")
     if isinstance(spec, str) and not _looks_like_path(spec):
-        text, path, folder = _read_shipped(spec)
+        text, path, folder, opened = _read_shipped(spec)
     else:
-        text, path, folder = _read_path(spec, relative_to)
+        text, path, folder, opened = _read_path(spec, relative_to)
     key = os.path.realpath(path) if folder else path  # realpath: a symlinked folder cannot hide a cycle
     if key in stack:
         raise ConfigError(f"op list {path!r} extends itself through {' -> '.join(stack)}; remove the cycle")
-    doc = _yaml.load(text, path)
-    return _Document(doc, path, folder).build(base, stack + (key,))
+    doc = _yaml.load(text, opened)
+    return _Document(doc, path, folder, opened).build(base, stack + (key,))
 
 
 def _as_map(mapping):
@@ -181,12 +183,13 @@ def _as_seq(seq):
 class _Document:
     """One parsed YAML document and the rules that turn it into a table."""
 
-    def __init__(self, doc, path, folder):
+    def __init__(self, doc, path, folder, opened=None):
         self.doc, self.path, self.folder = doc, path, folder
+        self.opened = opened or path  # the path errors name: a shipped list's real file
         self.skipped = []
 
     def error(self, line, message, entry=None):
-        return OpListError(self.path, line, message, entry=entry)
+        return OpListError(self.opened, line, message, entry=entry)
 
     def build(self, base, stack):
         doc = self.doc
@@ -286,7 +289,8 @@ class _Document:
                         spec.get("strict", False))
         skip_reason = _version_skip(spec)
         if skip_reason:
-            self.skipped.append(SkippedEntry(entry, skip_reason))
+            note = spec.get("note")
+            self.skipped.append(SkippedEntry(entry, f"{skip_reason} ({note})" if note else skip_reason))
             return None
         try:
             resolve_name(target, owner, spec["name"])
@@ -365,10 +369,29 @@ class _Document:
             entries[key] = entry
 
 
-def _version_skip(spec):
-    version = torch.torch_version.TorchVersion(torch.__version__)
-    if "min_torch" in spec and version < str(spec["min_torch"]):
-        return f"needs torch >= {spec['min_torch']}, this is {torch.__version__}"
-    if "max_torch" in spec and version > str(spec["max_torch"]):
-        return f"needs torch <= {spec['max_torch']}, this is {torch.__version__}"
+def _release(text):
+    """``"2.13.0+cpu"`` -> ``(2, 13, 0)``; ``"2.16.0a0+git1234"`` -> ``(2, 16, 0)``."""
+    return tuple(torch.torch_version.Version(str(text)).release)
+
+
+def _version_skip(spec, version=None):
+    """Why ``spec`` is inactive on ``version`` (this torch), or None. A bound covers every release it prefixes:
+    ``max_torch: "2.13"`` keeps 2.13.1 and 2.13.0+cpu, and drops 2.14."""
+    running = _release(version or torch.__version__)
+    shown = version or torch.__version__
+    if "min_torch" in spec:
+        bound = _release(spec["min_torch"])
+        if running[:len(bound)] < bound:
+            return f"needs torch >= {spec['min_torch']}, this is {shown}"
+    if "max_torch" in spec:
+        bound = _release(spec["max_torch"])
+        if running[:len(bound)] > bound:
+            return f"needs torch <= {spec['max_torch']}, this is {shown}"
     return None
+
+
+def inactive_report(table):
+    """One line per entry of ``table`` that is inactive on this torch, saying why (``amp-patch lists`` and
+    ``amp-patch validate`` print these)."""
+    return [f"  skipped {item.entry.category} {item.entry.qualname} ({item.entry.path}:{item.entry.line}): "
+            f"{item.reason}" for item in table.skipped]

@@ -5,9 +5,14 @@ namespaces that are already imported (loading a list never imports a module).
 This module answers "is ``torch.nn.functional.linear`` patchable?" with either
 the object or a message that says why not. A tensor op is a function torch's
 ``__torch_function__`` protocol covers (``torch.overrides``), a builtin of one of
-torch's C op namespaces, or a method of ``torch.Tensor``; ``torch.save``,
-``torch.manual_seed`` and the like are refused by name.
+torch's C op namespaces, a method of ``torch.Tensor``, or one of torch's Python
+functions that hands its arguments to a tensor op of its own name (as
+``Tensor.cholesky`` did once ``torch.cholesky`` moved to ``torch._linalg_utils``):
+what a function does decides, not the module it lives in. ``torch.save``,
+``torch.manual_seed`` and the like are refused; so is a stub that only raises
+(an op a newer torch removed: its entry needs ``max_torch``).
 """
+import dis
 import functools
 import re
 import sys
@@ -100,8 +105,7 @@ def _op_namespaces():
                                           "_sparse") if hasattr(c, n))
 
 
-def is_tensor_op(obj):
-    """True for tensor ops (see the module docstring), False for torch's other callables."""
+def _is_native_tensor_op(obj):
     try:
         if obj in _overridable():
             return True
@@ -111,6 +115,56 @@ def is_tensor_op(obj):
         return True
     name = getattr(obj, "__name__", None)
     return isinstance(name, str) and any(getattr(ns, name, None) is obj for ns in _op_namespaces())
+
+
+def is_tensor_op(obj):
+    """True for tensor ops (see the module docstring), False for torch's other callables."""
+    if _is_native_tensor_op(obj):
+        return True
+    return isinstance(obj, types.FunctionType) and any(
+        _is_native_tensor_op(called) for called in _same_named_callees(obj))
+
+
+def _same_named_callees(fn):
+    """The objects ``fn``'s code names (``torch.x.y``, globals, ``from m import y``) by its own name."""
+    own = fn.__name__.lstrip("_")
+    found = []
+    for code in _code_objects(fn.__code__):
+        current = module = None
+        for ins in dis.get_instructions(code):
+            if ins.opname == "LOAD_GLOBAL":
+                current = fn.__globals__.get(ins.argval)
+            elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and current is not None:
+                current = _getattr(current, ins.argval)
+            elif ins.opname == "IMPORT_NAME":
+                current, module = None, _imported(fn, ins.argval)
+            elif ins.opname == "IMPORT_FROM" and module is not None:
+                current = _getattr(module, ins.argval)
+            else:
+                current = None
+            if current is not None and own in (str(ins.argval).lstrip("_"), getattr(current, "__name__", "").lstrip("_")):
+                found.append(current)
+    return found
+
+
+def _code_objects(code):
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def _imported(fn, name):
+    if name.startswith("."):  # relative to the function's package (torch._tensor -> torch)
+        package = fn.__globals__.get("__package__") or ""
+        name = package + name if name != "." else package
+    return sys.modules.get(name) if _is_torch_name(name) else None
+
+
+def only_raises(fn):
+    """True for a Python function with no way to return: a stub left where torch removed an op."""
+    return isinstance(fn, types.FunctionType) and not any(
+        ins.opname.startswith("RETURN") or ins.opname == "YIELD_VALUE" for ins in dis.get_instructions(fn.__code__))
 
 
 def _getattr(obj, name):
@@ -140,6 +194,10 @@ def resolve_name(target, owner, name):
                           "functions may be listed")
     if not is_tensor_op(obj):
         where = getattr(obj, "__module__", None) or "torch"
+        if only_raises(obj) or any(only_raises(callee) for callee in _same_named_callees(obj)):
+            raise ConfigError(f"{target}.{name} ({where}.{obj.__qualname__}) only raises in torch {torch.__version__}: "
+                              "torch removed the op and left a stub; give the entry 'max_torch: \"X.Y\"' (the last "
+                              "torch that had it) so it is inactive here, or remove it")
         raise ConfigError(f"{target}.{name} ({where}.{getattr(obj, '__qualname__', name)}) is not a tensor op, so "
                           "casting its arguments would change what it does (e.g. save fp16 checkpoints); list "
                           "tensor ops such as torch.matmul or torch.nn.functional.softmax")

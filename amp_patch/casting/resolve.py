@@ -161,6 +161,12 @@ def _imported(fn, name):
     return sys.modules.get(name) if _is_torch_name(name) else None
 
 
+def _removed_stub(obj):
+    """A stub that only raises, or a method that only calls one (``Tensor.qr`` on torch 2.14+)."""
+    return isinstance(obj, types.FunctionType) and (
+        only_raises(obj) or any(only_raises(callee) for callee in _same_named_callees(obj)))
+
+
 def only_raises(fn):
     """True for a Python function with no way to return: a stub left where torch removed an op."""
     return isinstance(fn, types.FunctionType) and not any(
@@ -194,7 +200,7 @@ def resolve_name(target, owner, name):
                           "functions may be listed")
     if not is_tensor_op(obj):
         where = getattr(obj, "__module__", None) or "torch"
-        if only_raises(obj) or any(only_raises(callee) for callee in _same_named_callees(obj)):
+        if _removed_stub(obj):
             raise ConfigError(f"{target}.{name} ({where}.{obj.__qualname__}) only raises in torch {torch.__version__}: "
                               "torch removed the op and left a stub; give the entry 'max_torch: \"X.Y\"' (the last "
                               "torch that had it) so it is inactive here, or remove it")

@@ -52,3 +52,41 @@ def test_an_autocast_region_leaves_dynamos_table_of_torch_functions_alone():
     with amp_patch.autocast(dtype=torch.bfloat16):
         torch.mm(torch.ones(2, 2), torch.ones(2, 2))
     assert trace_rules.get_torch_obj_rule_map() is table
+
+
+class _RegionNet(torch.nn.Module):
+    """A casts-off region inside the compiled forward: its mm stays fp32, the other one runs in half."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = torch.mm(self.fc(x), x.t())
+        with amp_patch.autocast(enabled=False):
+            z = torch.mm(x, x.t())
+        return y, z
+
+
+@pytest.mark.parametrize("ident", ["this torch's", "pre-2.13 dynamo's"])
+def test_the_wrappers_thread_guard_compiles_without_breaks_and_keeps_regions(monkeypatch, ident):
+    """``if disabled and _get_ident() in disabled``: dynamo before 2.13 broke the graph at every wrapper on
+    ``threading.get_ident``; the ident the wrappers use there is a constant of the graph instead. Both
+    idents are checked on every torch: no break in SmallNet, and a casts-off region compiled as in eager."""
+    from amp_patch.casting import wrappers
+
+    if ident != "this torch's":
+        monkeypatch.setattr(wrappers, "_get_ident", wrappers._ident_for_old_dynamo)
+    torch._dynamo.reset()
+    model = amp_patch.initialize(SmallNet(), opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    explanation = torch._dynamo.explain(model)(torch.randn(3, 8))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    amp_patch.deinitialize()
+    torch._dynamo.reset()
+    model = amp_patch.initialize(_RegionNet(), opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(3, 4)
+    eager = model(x)
+    compiled = torch.compile(model, backend="eager")(x)
+    assert [t.dtype for t in eager] == [t.dtype for t in compiled] == [torch.bfloat16, torch.float32]
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+    torch._dynamo.reset()

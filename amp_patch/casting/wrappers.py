@@ -48,7 +48,24 @@ class DisabledThreads(dict):
         return threading.get_ident() in self
 
 
-_get_ident = threading.get_ident
+_thread_ident = threading.get_ident
+_compiling = torch.compiler.is_compiling
+
+
+@torch.compiler.assume_constant_result
+def _traced_ident():
+    return _thread_ident()
+
+
+def _ident_for_old_dynamo():
+    """``threading.get_ident()`` that dynamo before torch 2.13 can trace (it broke the graph at every wrapper's
+    ``if disabled and _get_ident() in disabled``): while compiling, the ident is a constant of the graph, as
+    newer dynamo makes it."""
+    return _traced_ident() if _compiling() else _thread_ident()
+
+
+# the builtin where dynamo traces it (no extra call in eager); reached only while a region is open somewhere
+_get_ident = _thread_ident if torch.torch_version.TorchVersion(torch.__version__) >= "2.13" else _ident_for_old_dynamo
 
 
 def cast_tree(x, cast):

@@ -7,7 +7,7 @@ torch attribute is patched and no device is probed until ``initialize`` (or an
 import torch
 
 from .errors import (AmpPatchError, BannedOpError, CastError, ConfigError, NotInitializedError, OpListError,
-                     PatchError, UsageError)
+                     PatchError, TorchVersionError, UsageError)
 from .casting.oplist import OpEntry, OpTable, load_op_lists, shipped_names
 from .casting.regions import autocast
 from .tracing import trace
@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AmpPatchError", "BannedOpError", "CastError", "ConfigError", "NotInitializedError", "OpListError", "PatchError",
-    "UsageError",
+    "TorchVersionError", "UsageError",
     "OpEntry", "OpTable", "load_op_lists", "shipped_names", "autocast", "disable_casts", "float_function",
     "half_function", "promote_function", "register_float_function", "register_half_function",
     "register_promote_function", "initialize", "deinitialize", "clear_cache", "scale_loss", "master_params",

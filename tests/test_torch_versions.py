@@ -140,3 +140,36 @@ def test_lstm_under_torch_cuda_runs_in_half_as_cudnn_rnn_does():
 
 def test_importing_this_file_left_no_module_behind():
     assert "torch._amp_patch_test_wrappers" not in sys.modules
+
+
+def test_an_internal_torch_lacks_is_an_error_naming_the_torch_version():
+    from amp_patch import torch_compat
+
+    rules = torch_compat.internal("torch._dynamo.trace_rules.get_torch_obj_rule_map", "the test")
+    assert callable(rules)
+    with pytest.raises(amp_patch.TorchVersionError) as info:
+        torch_compat.internal("torch._dynamo.trace_rules.a_name_no_torch_has", "to keep dynamo's tables right")
+    message = str(info.value)
+    assert isinstance(info.value, RuntimeError)
+    assert f"torch {torch.__version__}" in message and "torch._dynamo.trace_rules.a_name_no_torch_has" in message
+    assert "to keep dynamo's tables right" in message and torch_compat.REQUIREMENT in message
+
+
+def test_a_dynamo_without_the_trace_rules_amp_patch_reads_fails_clearly(monkeypatch):
+    from torch._dynamo import trace_rules
+    from amp_patch.casting import dynamo_tables
+
+    monkeypatch.delattr(trace_rules, "get_tensor_method")
+    with pytest.raises(amp_patch.TorchVersionError, match="get_tensor_method"):
+        dynamo_tables.build_before_patching()
+
+
+def test_the_declared_torch_range_is_the_tested_one():
+    from amp_patch import torch_compat
+
+    setup_cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.cfg")
+    with open(setup_cfg, encoding="utf-8") as f:
+        assert f"    {torch_compat.REQUIREMENT}\n" in f.read()
+    assert torch_compat.tested(), f"torch {torch.__version__} is outside the tested range {torch_compat.TESTED}"
+    assert [torch_compat.tested(v) for v in ("2.10.2", "2.11.0+cu130", "2.15.1", "2.16.0a0")] == [
+        False, True, True, False]

@@ -8,6 +8,9 @@ no longer knows, one graph break per patched call. So the tables are built befor
 unpatching. (A process group created *inside* a session still leaves that session's graphs calling the
 wrappers; the sessions after it are right again.)
 """
+from ..torch_compat import internal
+
+_NEEDED = ("get_torch_obj_rule_map", "get_tensor_method", "clear_lru_cache")
 
 
 def _trace_rules():
@@ -15,6 +18,9 @@ def _trace_rules():
         from torch._dynamo import trace_rules
     except ImportError:  # a torch without dynamo: nothing to keep right
         return None
+    for name in _NEEDED:  # looked up here: a torch that renamed one gets an error naming it and its version
+        internal(f"torch._dynamo.trace_rules.{name}", "to keep torch.compile's table of torch functions free of "
+                 "amp_patch's wrappers")
     return trace_rules
 
 

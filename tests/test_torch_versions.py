@@ -173,3 +173,19 @@ def test_the_declared_torch_range_is_the_tested_one():
     assert torch_compat.tested(), f"torch {torch.__version__} is outside the tested range {torch_compat.TESTED}"
     assert [torch_compat.tested(v) for v in ("2.10.2", "2.11.0+cu130", "2.15.1", "2.16.0a0")] == [
         False, True, True, False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU])
+def test_cudnn_rnn_under_torch_cuda_matches_native_cuda_autocast(cls, half):
+    """On a GPU nn.LSTM/GRU reach aten::_cudnn_rnn, which native CUDA autocast runs in half: so does torch_cuda."""
+    torch.manual_seed(0)
+    rnn = cls(8, 16, num_layers=2).cuda()
+    x = torch.randn(5, 3, 8, device="cuda")
+    with torch.autocast("cuda", dtype=half):
+        native = rnn(x)[0]
+    with amp_patch.autocast(op_lists="torch_cuda", half_dtype=half):
+        ours = rnn(x)[0]
+    assert native.dtype == ours.dtype == half
+    assert torch.equal(native, ours)

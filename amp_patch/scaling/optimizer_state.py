@@ -51,9 +51,14 @@ class OptimizerState:
         self.foreign = None  # (loss_id, {id(param): (weakref, version)}): grads another loss's block left scaled
         self.own_exit = None  # grad_snapshot() when the last scale_loss naming this optimizer inside another exited
         self._known_groups = 0
-        self._sync_groups(fp32_data or {})
-        self._handles = [optimizer.register_step_pre_hook(self._pre_step),
-                         optimizer.register_step_post_hook(self._post_step)]
+        self._handles = []
+        try:  # a fault while making masters leaves no master in the optimizer
+            self._sync_groups(fp32_data or {})
+            self._handles = [optimizer.register_step_pre_hook(self._pre_step),
+                             optimizer.register_step_post_hook(self._post_step)]
+        except BaseException:
+            self.restore()
+            raise
 
     # -- master weights -------------------------------------------------------------------------
     def _sync_groups(self, fp32_data=None):

@@ -48,7 +48,25 @@ def _cast_once(args, kwargs, dtype):
     return cast_tree(args, cast_one), cast_tree(kwargs, cast_one)
 
 
-class SessionHook:
+class _NotScriptable(UsageError, AttributeError):
+    """torch.jit.script asked an amp_patch hook for its ``__name__`` (also an AttributeError: hasattr says no)."""
+
+
+_SCRIPT_HELP = ("torch.jit.script cannot compile amp_patch's forward hooks on this model, and TorchScript would not "
+                "run amp_patch's casts anyway (it compiles torch calls to aten ops, past the O1 wrappers). Use "
+                "torch.jit.trace(model, example_inputs) during the session: it records the casts; or script the "
+                "model before amp_patch.initialize() or after amp_patch.deinitialize()")
+
+
+class ForwardHook:
+    """Base of amp_patch's forward hooks: plain objects (picklable), refused by torch.jit.script with the fix."""
+
+    @property
+    def __name__(self):
+        raise _NotScriptable(_SCRIPT_HELP)
+
+
+class SessionHook(ForwardHook):
     """A hook that belongs to the session: copies and pickles of the model get an inert hook instead."""
 
     def __deepcopy__(self, memo):
@@ -68,7 +86,7 @@ class CallOnForward(SessionHook):
         self.fn()
 
 
-class InertHook:
+class InertHook(ForwardHook):
     """What a session hook becomes in a copied or unpickled model: does nothing."""
 
     _from_public_api = True  # (torch marks state_dict post-hooks registered through its public API)
@@ -101,7 +119,7 @@ class RegistrationWatch:
         return {"generation": self.generation, "handles": []}
 
 
-class CastInputs:
+class CastInputs(ForwardHook):
     """Forward pre-hook of a cast model: floating inputs follow the dtype of its weights (``like``, the first
     param amp_patch cast), so ``model.float()`` after initialize runs in fp32. A module added since initialize
     whose weights have another dtype (a new fp32 head) is refused at the next forward, naming the fix."""
@@ -133,7 +151,7 @@ def _check_dtypes(model, dtype, keep_types):
                     f"optimizer.add_param_group), or build it before initialize")
 
 
-class CastOutputs:
+class CastOutputs(ForwardHook):
     """Forward hook: floating outputs to a fixed dtype (``cast_model_outputs``, fp32 by default)."""
 
     def __init__(self, dtype):
@@ -143,7 +161,7 @@ class CastOutputs:
         return cast_tree(out, _caster(self.dtype))
 
 
-class CastArgsTo:
+class CastArgsTo(ForwardHook):
     """Forward pre-hook (with kwargs) of a module kept fp32: its inputs to fp32."""
 
     def __call__(self, module, args, kwargs):
@@ -151,7 +169,7 @@ class CastArgsTo:
         return cast_tree(args, to_fp32), cast_tree(kwargs, to_fp32)
 
 
-class CastOutputsLike:
+class CastOutputsLike(ForwardHook):
     """Forward hook of a module kept fp32: its outputs back to the model's dtype (that of ``like``)."""
 
     def __init__(self, like, dtype):
@@ -188,6 +206,35 @@ class LoadMastersHook(SessionHook):
                 value = state_dict.get(prefix + name)
                 if master is not None and isinstance(value, torch.Tensor) and value.shape == master.shape:
                     master.copy_(value)
+
+
+def carry_edits(pairs, strict=True):
+    """Master weights (O2): carry into the fp32 masters what changed in the half model params since the masters
+    were last copied into them (WGAN's ``p.data.clamp_(-c, c)``, weight surgery through ``.data``), elementwise,
+    so the next step does not silently undo it. Called before each step and at deinitialize (``strict=False``:
+    a param whose shape changed is left to its master); unchanged params cost one compare."""
+    with torch.no_grad():
+        for param, master in pairs:
+            if param.shape != master.shape and not strict:
+                continue
+            if param.shape != master.shape:
+                raise UsageError(
+                    f"a {param.dtype} model param changed shape from {tuple(master.shape)} to {tuple(param.shape)} "
+                    "since initialize; its fp32 master (in amp_patch.master_params(optimizer)) cannot follow. "
+                    "Resize the model before amp_patch.initialize(), or edit the masters (and build a new "
+                    "optimizer and session) instead")
+            rounded = master.to(param.dtype)
+            bits, rounded_bits = _bits(param), _bits(rounded)  # (bitwise: a NaN weight is no edit)
+            if torch.equal(bits, rounded_bits):
+                continue
+            master.copy_(torch.where(bits != rounded_bits, param.to(master.dtype), master))
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t):
+    return t.view(_INT_OF_SIZE[t.element_size()]) if t.element_size() in _INT_OF_SIZE else t
 
 
 class ModelPatch:

@@ -27,6 +27,7 @@ import torch
 from .. import distributed
 from ..casting.wrappers import HALF_DTYPES
 from ..errors import UsageError
+from ..models import carry_edits
 from .unscale import unscale_
 
 
@@ -225,6 +226,7 @@ class OptimizerState:
     # -- step hooks -----------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs):
         self._sync_groups()
+        carry_edits(self.pairs)  # (in-place edits of the half model since the last copy reach the masters)
         self.check_foreign("optimizer.step()")
         self._check_backward_outside()
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
@@ -260,6 +262,7 @@ class OptimizerState:
         """Remove the hooks and put the model params back into param_groups (with the masters' state)."""
         while self._handles:
             self._handles.pop().remove()
+        carry_edits(self.pairs, strict=False)  # (a clip after the last step is kept: deinitialize gives the masters)
         state = self.optimizer.state
         for param, master in self.pairs:
             if master in state:

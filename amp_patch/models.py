@@ -180,13 +180,15 @@ class CastOutputsLike(ForwardHook):
 
 
 class StateDictHook(SessionHook):
-    """state_dict post-hook: what amp_patch cast, in its original dtype (the master where there is one)."""
+    """state_dict post-hook: what amp_patch cast, in its original dtype (the master where there is one, with the
+    in-place edits of the half model since the last step carried into it: see :func:`carry_edits`)."""
 
     def __init__(self, restored):
-        self.restored = restored  # (name, original dtype, master or None)
+        self.restored = restored  # (name, original dtype, master or None, param)
 
     def __call__(self, module, state_dict, prefix, local_metadata):
-        for name, dtype, master in self.restored:
+        carry_edits([(param, master) for _, _, master, param in self.restored if master is not None], strict=False)
+        for name, dtype, master, _ in self.restored:
             value = state_dict.get(prefix + name)
             if master is not None:
                 state_dict[prefix + name] = master.detach()
@@ -202,7 +204,7 @@ class LoadMastersHook(SessionHook):
 
     def __call__(self, module, state_dict, prefix, *unused):
         with torch.no_grad():
-            for name, _, master in self.restored:
+            for name, _, master, _ in self.restored:
                 value = state_dict.get(prefix + name)
                 if master is not None and isinstance(value, torch.Tensor) and value.shape == master.shape:
                     master.copy_(value)
@@ -303,11 +305,11 @@ class ModelPatch:
         if not self.original_dtypes and not self.buffers:
             return
         params, buffers = _names_by_id(self.model)
-        restored = []  # (name, original dtype, master or None)
+        restored = []  # (name, original dtype, master or None, param or None)
         for pid, (param, dtype) in self.original_dtypes.items():
-            restored += [(name, dtype, masters.get(pid)) for name in params.get(pid, ())]
+            restored += [(name, dtype, masters.get(pid), param) for name in params.get(pid, ())]
         for module, name, _, dtype in self.buffers:
-            restored += [(path + name, dtype, None) for path in buffers.get(id(module), ())]
+            restored += [(path + name, dtype, None, None) for path in buffers.get(id(module), ())]
         self.handles.append(self.model.register_state_dict_post_hook(StateDictHook(restored)))
         self.handles.append(self.model.register_load_state_dict_pre_hook(LoadMastersHook(restored)))
 

@@ -132,3 +132,13 @@ def test_an_edit_after_the_last_step_survives_deinitialize():
         assert torch.equal(p.detach()[inside], m[inside])  # the unclipped rest keeps its fp32 bits
         kept += int(inside.sum())
     assert kept > 0
+
+
+def test_state_dict_after_an_edit_reports_it():
+    """model.state_dict() (the masters under O2) includes an edit made since the last step (a checkpoint, or an
+    EMA of a WGAN critic, would otherwise save the unclipped weights)."""
+    model, opt = _session()
+    _one_step(model, opt)
+    model.lin1.weight.data.clamp_(-CLIP, CLIP)
+    state = model.state_dict()
+    assert state["lin1.weight"].dtype is torch.float32 and state["lin1.weight"].abs().max() <= CLIP * 1.01

@@ -55,9 +55,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     _check_optimizers_train_models(props, model_list, opt_list)
     scalers = _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor, backoff_factor,
                             growth_interval, hysteresis)
-    _check_history_size(history_size)
-    table = _load_table(props, op_lists)
-    unsharded = distributed.check_fsdp_at_initialize(model_list, props)
+    table, unsharded = _check_the_rest(props, model_list, history_size, op_lists)
     session = Session(props)
     try:
         _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks)
@@ -323,9 +321,11 @@ def _guard_step_pause(session, models):
             patcher.install(cls, "step", make)
 
 
-def _check_history_size(history_size):
+def _check_the_rest(props, models, history_size, op_lists):
+    """The last checks before initialize changes anything; returns the op table and the unsharded models."""
     if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
         raise ConfigError(f"history_size={history_size!r}; pass a positive number of steps to keep")
+    return _load_table(props, op_lists), distributed.check_fsdp_at_initialize(models, props)
 
 
 def _set_up_diagnostics(session, models, diagnose_overflow, history_size):

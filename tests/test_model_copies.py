@@ -149,3 +149,21 @@ def test_a_new_fp32_head_is_refused_naming_the_fix(level):
         model(x)
     model.head.to(HALF)
     assert model(x).shape == (5, 3)
+
+
+@pytest.mark.parametrize("level", ("O1", "O2"))
+def test_copies_with_diagnose_overflow_leave_the_session_alone(level):
+    """The overflow diagnoser's hooks belong to the session: a copy neither pickles them nor feeds them."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=HALF, verbosity=0,
+                                      diagnose_overflow=True)
+    diagnoser = amp_patch._state.current().diagnoser
+    loaded = pickle.loads(pickle.dumps(model))
+    twin = copy.deepcopy(model)
+    flags = len(diagnoser.flags)
+    x = torch.randn(5, 4)
+    loaded(x), twin(x)
+    assert len(diagnoser.flags) == flags
+    model(x)
+    assert len(diagnoser.flags) > flags  # (the original still reports)

@@ -252,3 +252,25 @@ def test_session_close_keeps_the_failed_steps_in_order():
     with pytest.raises(Fault):
         session.close()
     assert done == ["c", "a"] and session.undo == [fail, fail]
+
+
+def test_a_failed_undo_of_a_failed_initialize_is_retried_by_deinitialize(monkeypatch, caplog):
+    """initialize fails, then one of its undo steps fails too: the initialize error is the one raised, the session
+    stays current (logged), and deinitialize() finishes the undo."""
+    model, opt = _trained()
+    before = _snapshot(model, opt)
+    original_restore, calls = ModelPatch.restore, []
+
+    def restore_fails_once(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("undo step")
+        return original_restore(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelPatch, "restore", restore_fails_once)
+    _fault_after(monkeypatch, frontend, "_install_casting")
+    with caplog.at_level(logging.ERROR, logger="amp_patch"), pytest.raises(Fault):
+        amp_patch.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    assert _state.current() is not None and "call amp_patch.deinitialize()" in caplog.text
+    amp_patch.deinitialize()
+    _assert_same(before, _snapshot(model, opt))

@@ -77,12 +77,12 @@ class SessionHook(ForwardHook):
 
 
 class CallOnForward(SessionHook):
-    """Forward pre-hook calling ``fn()`` (e.g. the O1 engine's resume after a failed step)."""
+    """A forward pre-hook or forward hook calling ``fn()`` (e.g. the O1 engine's resume after a failed step)."""
 
     def __init__(self, fn):
         self.fn = fn
 
-    def __call__(self, module, args):
+    def __call__(self, module, *args_and_output):
         self.fn()
 
 

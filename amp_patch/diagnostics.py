@@ -14,6 +14,7 @@ import logging
 import torch
 
 from .casting.wrappers import iter_tensors
+from .models import SessionHook
 from .module_compat import forward_hooks, forward_pre_hook
 
 log = logging.getLogger("amp_patch")
@@ -34,9 +35,9 @@ class OverflowDiagnoser:
         self.tracer = tracer  # its last_entry names the patched op that ran last (None without O1)
         self.models = models
         self.inputs = collections.deque(maxlen=max_flags)  # per model call: inf/NaN in its inputs (the data)
-        self.handles = forward_hooks([(module, self._hook(name or type(model).__name__))
+        self.handles = forward_hooks([(module, _FlagOutputs(self, name or type(model).__name__))
                                       for model in models for name, module in model.named_modules()])
-        self.handles += [forward_pre_hook(model, self._input_hook, with_kwargs=True) for model in models]
+        self.handles += [forward_pre_hook(model, _FlagInputs(self), with_kwargs=True) for model in models]
 
     def _input_hook(self, module, args, kwargs):
         tensors = [t for t in iter_tensors((args, kwargs)) if t.is_floating_point() and t.numel()]
@@ -48,21 +49,19 @@ class OverflowDiagnoser:
                 self.tracer.last_entry = entry
         return None
 
-    def _hook(self, name):
-        def hook(module, args, out):
-            tensors = [t for t in iter_tensors(out) if t.is_floating_point() and t.numel()]
-            if not tensors:
-                return
-            entry = self.tracer.last_entry if self.tracer is not None else None
-            with torch.no_grad(), self.quiet():
-                bad = None
-                for t in tensors:  # (no sync: the flag stays a tensor until an overflow asks for it)
-                    flag = torch.logical_or(torch.isfinite(t).logical_not().any(), t.abs().amax().gt(self.limit))
-                    bad = flag if bad is None else torch.logical_or(bad, flag)
-            if self.tracer is not None:
-                self.tracer.last_entry = entry  # our own checks must not count as the module's last op
-            self.flags.append((name, bad, entry.category if entry else None, entry.qualname if entry else None))
-        return hook
+    def _flag_outputs(self, name, out):
+        tensors = [t for t in iter_tensors(out) if t.is_floating_point() and t.numel()]
+        if not tensors:
+            return
+        entry = self.tracer.last_entry if self.tracer is not None else None
+        with torch.no_grad(), self.quiet():
+            bad = None
+            for t in tensors:  # (no sync: the flag stays a tensor until an overflow asks for it)
+                flag = torch.logical_or(torch.isfinite(t).logical_not().any(), t.abs().amax().gt(self.limit))
+                bad = flag if bad is None else torch.logical_or(bad, flag)
+        if self.tracer is not None:
+            self.tracer.last_entry = entry  # our own checks must not count as the module's last op
+        self.flags.append((name, bad, entry.category if entry else None, entry.qualname if entry else None))
 
     def first_bad_module(self):
         for name, flag, category, qualname in self.flags:
@@ -91,6 +90,26 @@ class OverflowDiagnoser:
     def remove(self):
         while self.handles:
             self.handles.pop().remove()
+
+
+class _FlagOutputs(SessionHook):
+    """Forward hook of one module: flags inf/NaN or out-of-range outputs (a picklable, session-bound object)."""
+
+    def __init__(self, diagnoser, name):
+        self.diagnoser, self.name = diagnoser, name
+
+    def __call__(self, module, args, out):
+        self.diagnoser._flag_outputs(self.name, out)
+
+
+class _FlagInputs(SessionHook):
+    """Forward pre-hook of a model: flags inf/NaN in its inputs (the data)."""
+
+    def __init__(self, diagnoser):
+        self.diagnoser = diagnoser
+
+    def __call__(self, module, args, kwargs):
+        return self.diagnoser._input_hook(module, args, kwargs)
 
 
 def bad_grads(models, masters):

@@ -9,7 +9,7 @@ from .casting import early_bound
 from .casting.wrappers import HALF_DTYPES
 from .casting.engine import CastingEngine
 from .errors import ConfigError, UsageError
-from .models import ModelPatch
+from .models import CallOnForward, ModelPatch
 from .casting.oplist import load_op_lists
 from .opt_levels import resolve
 from .scaling.optimizer_state import OptimizerState
@@ -51,30 +51,57 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                     cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
                     loss_scale=loss_scale, cast_model_outputs=cast_model_outputs)
+    # every argument is checked before anything is touched: a ConfigError leaves the models as they were
+    _check_optimizers_train_models(props, model_list, opt_list)
+    scalers = _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor, backoff_factor,
+                            growth_interval, hysteresis)
+    table, unsharded = _check_the_rest(props, model_list, history_size, op_lists)
     session = Session(props)
-    session.unsharded_models = distributed.check_fsdp_at_initialize(model_list, props)
-    session.undo.append(distributed.install_rank_filter(log_all_ranks))
     try:
-        _check_optimizers_train_models(props, model_list, opt_list)
-        fp32_data = _prepare_models(session, model_list)
-        if not opt_list and props.master_weights:  # optimizers attached later (attach_optimizers) get exact masters;
-            session.fp32_data = fp32_data         # until then the model's state_dict()/load_state_dict() use these
-        _attach_optimizers(session, opt_list, fp32_data)
-        _guard_zero_grad(session)
-        _link_masters(session)
-        session.scalers = _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor,
-                                        backoff_factor, growth_interval, hysteresis)
-        _install_casting(session, op_lists, allow_banned)
-        _reach_early_bound(session, model_list)
-        _attach_scopes(session, model_list)
-        _guard_step_pause(session, model_list)
+        _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks)
+        session.unsharded_models = unsharded
         _set_up_diagnostics(session, model_list, diagnose_overflow, history_size)
+        _log_configuration(props, verbosity)
+        _commit(session)
     except BaseException:
-        session.close()
+        _abandon(session)
         raise
-    _state.activate(session, session.engine)
-    _log_configuration(props, verbosity)
     return _pack(models, optimizers)
+
+
+def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks):
+    """The steps of initialize that change something; each registers its undo before (or as) it acts."""
+    session.undo.append(distributed.install_rank_filter(log_all_ranks))
+    fp32_data = _prepare_models(session, model_list)
+    if not opt_list and session.props.master_weights:  # optimizers attached later (attach_optimizers) get exact
+        session.fp32_data = fp32_data  # masters; until then the model's state_dict()/load_state_dict() use these
+    _attach_optimizers(session, opt_list, fp32_data)
+    _guard_zero_grad(session)
+    _link_masters(session)
+    session.scalers = scalers
+    _install_casting(session, table, allow_banned)
+    _reach_early_bound(session, model_list)
+    _attach_scopes(session, model_list)
+    _guard_step_pause(session, model_list)
+
+
+def _commit(session):
+    """The session becomes the active one; the models stop keeping their pre-initialize fp32 values."""
+    _state.activate(session, session.engine)
+    for patch in session.model_patches:
+        patch.commit()
+
+
+def _abandon(session):
+    """Undo a failed initialize: every undo step runs (see Session.close). Should one fail too, the session stays
+    current so that ``deinitialize()`` retries it (logged); the caller re-raises the original error."""
+    if _state.current() is session:
+        _state.deactivate()
+    try:
+        session.close()
+    except BaseException:  # noqa: B036 - the initialize error is the one to report
+        _state.activate(session)
+        log.exception("undoing the failed amp_patch.initialize() failed too; call amp_patch.deinitialize()")
 
 
 def _check_not_initialized():
@@ -226,14 +253,20 @@ def _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_fact
                        growth_interval=growth_interval, hysteresis=hysteresis) for i in range(num_losses)]
 
 
-def _install_casting(session, op_lists, allow_banned):
-    props = session.props
+def _load_table(props, op_lists):
+    """The op table of an O1 session (None at other levels), loaded and validated before anything is patched."""
     if not props.patch_torch_functions:
         if op_lists is not None:
             raise ConfigError(f"op_lists only apply when torch functions are patched (opt_level='O1'); "
                               f"opt_level={props.opt_level!r} does not patch. Drop op_lists or use O1.")
+        return None
+    return load_op_lists(op_lists)
+
+
+def _install_casting(session, table, allow_banned):
+    props = session.props
+    if table is None:
         return
-    table = load_op_lists(op_lists)
     if table.skipped:  # version-dependent entries are declared, never silently dropped
         log.info("%d op-list entr%s skipped on torch %s: %s", len(table.skipped),
                  "y" if len(table.skipped) == 1 else "ies", torch.__version__,
@@ -270,7 +303,7 @@ def _guard_step_pause(session, models):
         return
     resume = session.engine.resume_after_step
     for model in models:
-        session.undo.append(module_compat.forward_pre_hook(model, lambda module, args: resume()).remove)
+        session.undo.append(module_compat.forward_pre_hook(model, CallOnForward(resume)).remove)
     patcher = Patcher()
     session.undo.append(patcher.restore_all)
 
@@ -288,9 +321,14 @@ def _guard_step_pause(session, models):
             patcher.install(cls, "step", make)
 
 
-def _set_up_diagnostics(session, models, diagnose_overflow, history_size):
+def _check_the_rest(props, models, history_size, op_lists):
+    """The last checks before initialize changes anything; returns the op table and the unsharded models."""
     if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
         raise ConfigError(f"history_size={history_size!r}; pass a positive number of steps to keep")
+    return _load_table(props, op_lists), distributed.check_fsdp_at_initialize(models, props)
+
+
+def _set_up_diagnostics(session, models, diagnose_overflow, history_size):
     session.history = StepHistory(history_size)
     session.models = models  # (a skipped step's cause names the params with non-finite grads)
     if not diagnose_overflow:
@@ -314,12 +352,19 @@ def _log_configuration(props, verbosity):
 
 
 def deinitialize():
-    """Undo ``initialize``: remove every patch and hook, restore models and optimizers. Safe to call twice."""
+    """Undo ``initialize``: remove every patch and hook, restore models and optimizers. Safe to call twice.
+
+    Every undo step runs even if one fails (or is interrupted); the session then stays current with the steps
+    that failed, so calling ``deinitialize()`` again finishes the job."""
     session = _state.current()
     if session is None:
         return  # an open autocast() region (no session) keeps its engine: it removes its own patches on exit
     _state.deactivate()
-    session.close()
+    try:
+        session.close()
+    except BaseException:
+        _state.activate(session)  # (no engine: casting stays off) a second deinitialize() retries what failed
+        raise
 
 
 def clear_cache():

@@ -67,14 +67,29 @@ class Session:
         return found
 
     def close(self):
-        """Undo everything in reverse order of doing it (casting patches, optimizers, models, hooks)."""
+        """Undo everything in reverse order of doing it (casting patches, optimizers, models, hooks).
+
+        Every step runs even if another raises (an exception or a KeyboardInterrupt); the steps that failed stay
+        in ``undo``, in order, so calling ``close()`` again retries just those, and the first failure is
+        re-raised once the others have run.
+        """
+        failed, first = [], None
         while self.undo:
-            self.undo.pop()()
+            step = self.undo.pop()
+            try:
+                step()
+            except BaseException as exc:  # noqa: B036 - re-raised below, after the other undo steps
+                failed.append(step)
+                first = first if first is not None else exc
+        if failed:
+            self.undo = failed[::-1]
+            log.warning("%d undo step(s) of amp_patch failed; call amp_patch.deinitialize() again to retry them",
+                        len(failed))
+            raise first
         self.opt_states.clear()
         self.model_patches.clear()
         self.fp32_data = {}
         self.engine = None
-
 
 def _suggest(loss_id, scalers):
     return loss_id + 1 if isinstance(loss_id, int) and loss_id >= len(scalers) else len(scalers)

@@ -50,10 +50,10 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         _check_device_type(device_type)
         if not isinstance(enabled, bool):
             raise ConfigError(f"enabled={enabled!r}; pass True or False (as torch.autocast requires)")
-        if cache_enabled is False:
-            raise ConfigError("cache_enabled=False is not supported: amp_patch keeps each weight's half cast until "
-                              "the iteration ends (scale_loss, amp_patch.clear_cache()) and drops it when the weight "
-                              "changes in place; drop cache_enabled, or call amp_patch.clear_cache() where needed")
+        if cache_enabled not in (None, True, False):
+            raise ConfigError(f"cache_enabled={cache_enabled!r}; pass True, False or None (as torch.autocast takes)")
+        # cache_enabled=False is torch's workaround for torch.jit.trace under autocast; amp_patch's wrappers never
+        # use the cast cache while torch.jit traces (or dynamo compiles), so the flag is accepted and not needed
         self.explicit_dtype = _pick_dtype(dtype, half_dtype)
         self.half_dtype = self.explicit_dtype or (torch.get_autocast_dtype(device_type) if device_type
                                                   else torch.float16)

@@ -162,12 +162,13 @@ def make_to_half(half_dtype, cache):
     get = entries.get
     grad_enabled = torch.is_grad_enabled
     compiling = torch.compiler.is_compiling
+    tracing = torch._C._is_tracing
 
     def to_half(t):
         dt = t.dtype
         if dt is FP32:
-            if compiling():  # dynamo: no data-dependent cache checks in the graph; the compiled graph casts once
-                return cast(t)
+            if compiling() or tracing():  # dynamo: no data-dependent cache checks in the graph (it casts once);
+                return cast(t)  # torch.jit.trace: a cast cached before the trace would become a graph constant
             hit = get(id(t))
             if hit is not None and hit[0] is t and hit[1] == t._version and (hit[2] or not grad_enabled()):
                 return hit[3]

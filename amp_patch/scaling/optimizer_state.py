@@ -27,6 +27,7 @@ import torch
 from .. import distributed
 from ..casting.wrappers import HALF_DTYPES
 from ..errors import UsageError
+from ..models import carry_edits
 from .unscale import unscale_
 
 
@@ -51,9 +52,14 @@ class OptimizerState:
         self.foreign = None  # (loss_id, {id(param): (weakref, version)}): grads another loss's block left scaled
         self.own_exit = None  # grad_snapshot() when the last scale_loss naming this optimizer inside another exited
         self._known_groups = 0
-        self._sync_groups(fp32_data or {})
-        self._handles = [optimizer.register_step_pre_hook(self._pre_step),
-                         optimizer.register_step_post_hook(self._post_step)]
+        self._handles = []
+        try:  # a fault while making masters leaves no master in the optimizer
+            self._sync_groups(fp32_data or {})
+            self._handles = [optimizer.register_step_pre_hook(self._pre_step),
+                             optimizer.register_step_post_hook(self._post_step)]
+        except BaseException:
+            self.restore()
+            raise
 
     # -- master weights -------------------------------------------------------------------------
     def _sync_groups(self, fp32_data=None):
@@ -220,6 +226,7 @@ class OptimizerState:
     # -- step hooks -----------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs):
         self._sync_groups()
+        carry_edits(self.pairs)  # (in-place edits of the half model since the last copy reach the masters)
         self.check_foreign("optimizer.step()")
         self._check_backward_outside()
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
@@ -255,6 +262,7 @@ class OptimizerState:
         """Remove the hooks and put the model params back into param_groups (with the masters' state)."""
         while self._handles:
             self._handles.pop().remove()
+        carry_edits(self.pairs, strict=False)  # (a clip after the last step is kept: deinitialize gives the masters)
         state = self.optimizer.state
         for param, master in self.pairs:
             if master in state:

@@ -130,7 +130,7 @@ class OracleNet(torch.nn.Module):
         self.lin = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
         self.conv = torch.nn.Conv1d(1, 1, 3, padding=1)
         self.ln = torch.nn.LayerNorm(4)
-        self.w = torch.nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.w = torch.nn.Parameter(torch.randn(4, 4) * 0.3)
         self.b = torch.nn.Parameter(torch.randn(4) * 0.5)
 
     def forward(self, x):

@@ -210,7 +210,7 @@ def _state_dict(run, i, how, seed):
 
 
 STEPS = {"train": _train, "eval": _eval, "data": _data, "deepcopy": _deepcopy, "state_dict": _state_dict}
-OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.5),
               "adam": lambda params: torch.optim.Adam(params, lr=0.01)}
 
 

@@ -7,7 +7,7 @@ PARAM_NAMES = ("w", "b", "lin.0.weight", "lin.0.bias", "lin.1.weight", "lin.1.bi
                "ln.weight", "ln.bias")
 LOSS_TEXT = {"mse": "F.mse_loss(out, y)", "l1": "F.l1_loss(out, y)", "smooth_l1": "F.smooth_l1_loss(out, y)",
              "cross_entropy": "F.cross_entropy(out, y)", "sum": "(out * out).sum()"}
-OPTIM_TEXT = {"sgd": "torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)",
+OPTIM_TEXT = {"sgd": "torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)",
               "adam": "torch.optim.Adam(model.parameters(), lr=0.01)"}
 DATA_TEXT = ("model.{p}.data = randn_like(model.{p}, seed={s})",
              "model.{p}.data.copy_(randn_like(model.{p}, seed={s}))",

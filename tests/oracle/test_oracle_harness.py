@@ -32,22 +32,28 @@ def _xfail(reason):
     return pytest.mark.xfail(strict=True, reason=f"issue 20: {reason}, fixed on branch cast-faults/model-faults")
 
 
-@profile()
+@profile(examples=100)
 @given(program=programs(PASSING))
 def test_o1_torch_cpu_matches_native_autocast_bitwise(program):
     assume_ran(check_matches_native(program))
 
 
-# What the fp32 comparison leaves out, and why: ``prod`` turns the half dtype's absolute error in a small factor
-# (a linear output near 0) into a large relative one, beyond any fixed tolerance; neither the apex nor the
-# torch_cuda list promotes index_copy (nor does native CUDA autocast), so a half activation and an fp32 source
-# raise torch's dtype error (loud, not wrong); O3 trains the half weights themselves, and Adam's eps (1e-8) is 0
-# in fp16, so its step is inf/NaN: SGD only.
+# What the fp32 comparison leaves out, and why (it is there to catch gross errors: stale or shared weights, lost
+# edits, wrong buffers, each O(1); a program that amplifies rounding cannot be held to a fixed tolerance):
+# - ``prod`` and ``mse_scale`` multiply activations together: the half dtype's absolute error in a small factor (a
+#   linear output near 0) becomes a large relative one;
+# - the l1 and smooth-l1 losses have a gradient that jumps at ``out == y`` (a rounding flips its sign), and the
+#   sum-of-squares loss grows the weights until rounding dominates: mse and cross-entropy only;
+# - neither the apex nor the torch_cuda list promotes index_copy (nor does native CUDA autocast), so a half
+#   activation and an fp32 source raise torch's dtype error (loud, not wrong);
+# - O3 trains the half weights themselves, and Adam's eps (1e-8) is 0 in fp16, so its step is inf/NaN: SGD only.
+_STABLE = dict(exclude={"prod", "mse_scale"}, losses=("mse", "cross_entropy"))
 OTHER_POLICIES = {
-    "O1-apex": (AmpRunner("O1", "apex"), dict(features=PASSING, exclude={"index_copy", "prod"})),
-    "O1-torch_cuda": (AmpRunner("O1", "torch_cuda"), dict(features=PASSING, exclude={"index_copy", "prod"})),
-    "O2": (AmpRunner("O2"), dict(features=PASSING_O2, exclude={"prod"})),
-    "O3": (AmpRunner("O3"), dict(features=PASSING_O2, exclude={"prod"}, optims=("sgd",))),
+    "O1-apex": (AmpRunner("O1", "apex"), dict(_STABLE, features=PASSING, exclude={"prod", "mse_scale", "index_copy"})),
+    "O1-torch_cuda": (AmpRunner("O1", "torch_cuda"),
+                      dict(_STABLE, features=PASSING, exclude={"prod", "mse_scale", "index_copy"})),
+    "O2": (AmpRunner("O2"), dict(_STABLE, features=PASSING_O2)),
+    "O3": (AmpRunner("O3"), dict(_STABLE, features=PASSING_O2, optims=("sgd",))),
 }
 
 
@@ -76,7 +82,7 @@ def test_known_fault_class_is_found(feature):
                                      pytest.param("data_write", marks=_xfail("in-place edits of O2 weights"))])
 def test_known_o2_fault_class_is_found(feature):
     @profile(examples=200)
-    @given(program=programs(PASSING_O2 | {feature}, exclude={"prod"}))
+    @given(program=programs(**dict(_STABLE, features=PASSING_O2 | {feature})))
     def prop(program):
         assume_ran(check_close_to_fp32(program, AmpRunner("O2")))
     prop()

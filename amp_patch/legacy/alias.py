@@ -51,6 +51,10 @@ class _AmpLoader(importlib.abc.Loader):
         state_module.master_params = apex_amp.master_params
         setattr(state_module, _MARK, True)
         sys.modules[state_module.__name__] = state_module  # attribute apex.amp._amp_state stays the view
+        lists = apex_amp.lists  # apex.amp.lists and its three modules: the very lists initialize reads
+        sys.modules["apex.amp.lists"] = lists
+        for name in ("functional_overrides", "torch_overrides", "tensor_overrides"):
+            sys.modules[f"apex.amp.lists.{name}"] = getattr(lists, name)
 
 
 def _submodule_or_error(fullname, make_error):

@@ -14,6 +14,7 @@ import logging
 
 from ..frontend import deinitialize, load_state_dict, master_params, state_dict
 from ..frontend import initialize as _initialize
+from . import amp_lists as lists
 from . import stacking
 from ..scaling import scale_loss
 from ..casting.registry import (disable_casts, float_function, half_function, promote_function, register_float_function,
@@ -27,7 +28,7 @@ __all__ = [
     "register_float_function", "register_promote_function", "half_function", "float_function", "promote_function",
     "disable_casts", "init", "deinitialize",
 ]
-_EXTRA = ["_amp_state"]  # provided by ``apex.amp`` too, but not star-imported (as in Apex)
+_EXTRA = ["_amp_state", "lists"]  # provided by ``apex.amp`` too, but not star-imported (as in Apex)
 
 log = logging.getLogger("amp_patch")
 

@@ -42,7 +42,7 @@ def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False,
         return _bind(session, enable_caching, verbose)  # amp.init() after an O1 amp.initialize(): both stay active
     if session is not None:
         stacking._close_incompatible(session, call)
-    initialize([], **call)
+    initialize([], **stacking.with_list_edits(call))
     stacking.record(_state.current())["calls"] = dict(call)
     return _bind(_state.current(), enable_caching, verbose)
 

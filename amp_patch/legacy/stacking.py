@@ -22,6 +22,7 @@ import logging
 import torch
 
 from .. import _state
+from . import amp_lists
 from ..errors import UsageError
 from ..frontend import _check_incoming_fp32, deinitialize
 from ..frontend import initialize as _initialize
@@ -49,9 +50,17 @@ def initialize(*args, **kwargs):
         return _add_to(session, models, optimizers, call)
     if session is not None:
         _close_incompatible(session, call)
-    result = _initialize(models, optimizers, **call)
+    result = _initialize(models, optimizers, **with_list_edits(call))
     record(_state.current())["calls"] = dict(call)
     return result
+
+
+def with_list_edits(call):
+    """``call`` with the edits of ``apex.amp.lists`` added to its ``op_lists`` (O1: the level that patches)."""
+    if call.get("enabled", True) is False or not _props_of(call).patch_torch_functions:
+        return call
+    edited = amp_lists.overlay(call.get("op_lists"))
+    return call if edited is call.get("op_lists") else {**call, "op_lists": edited}
 
 
 def _props_of(call):
@@ -144,7 +153,7 @@ def _add_to(session, models, optimizers, call):
     merged = {**kept["calls"], **call, "allow_incoming_model_not_fp32": True}  # (the new models were checked)
     deinitialize()
     try:
-        _initialize(all_models, all_optimizers, **merged)
+        _initialize(all_models, all_optimizers, **with_list_edits(merged))
     except BaseException:
         log.error("amp.initialize() could not add the new models to the open session; the earlier models and "
                   "optimizers were restored to fp32 and are no longer managed")

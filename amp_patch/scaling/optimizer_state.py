@@ -112,7 +112,7 @@ class OptimizerState:
         self.check_foreign("scale_loss")
         if self.skip_next and not self._any_grad():
             self.skip_next = False  # grads cleared (e.g. model.zero_grad()) after an overflow: nothing to skip
-        elif self.skip_next:
+        elif self.skip_next and distributed.world_size() == 1:
             self._forget_doomed_grads()
         if self.pending_scaler is scaler:
             return
@@ -132,7 +132,9 @@ class OptimizerState:
         """The coming step is skipped (an overflow since the last step): zero the grads it will drop, so this
         backward's overflow check sees only what this backward produces (Apex checked the new grads alone);
         an inf an earlier loss left here must not make this loss's scaler back off, nor skip other optimizers
-        this loss names. Zeroed, not cleared: the step must still know it is skipped."""
+        this loss names. Zeroed, not cleared: the step must still know it is skipped. Single process only: under
+        DDP the grads in ``param.grad`` (e.g. of a ``no_sync()`` backward) must still reach the other ranks through
+        the next all-reduce, so there the whole accumulation is checked, as before (skipping more, never less)."""
         grads = [p.grad for p in self._grad_params() if p.grad is not None and not p.grad.is_sparse]
         if grads:
             torch._foreach_zero_(grads)

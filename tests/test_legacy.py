@@ -68,7 +68,7 @@ def test_every_import_form_resolves_to_amp_patch():
     from apex import amp
     from apex.amp import init, load_state_dict, master_params, scale_loss, state_dict
     assert amp is amp_as is apex.amp
-    assert scale_loss is amp_patch.scale_loss and master_params is amp_patch.master_params
+    assert scale_loss is amp_patch.scale_loss and master_params is legacy.amp_state.master_params  # Apex's loop
     assert state_dict is amp_patch.state_dict and load_state_dict is amp_patch.load_state_dict
     assert amp.initialize is legacy.apex_amp.initialize and init is legacy.handle.init
     for name in ("register_half_function", "register_float_function", "register_promote_function",

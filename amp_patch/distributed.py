@@ -14,6 +14,7 @@ Rules the helpers rely on (see docs/distributed.md):
 """
 import contextlib
 import functools
+import inspect
 import logging
 import sys
 import time
@@ -182,6 +183,54 @@ def track_no_sync(session):
     patcher.install(torch.nn.parallel.DistributedDataParallel, "no_sync",
                     lambda original: _counting_no_sync(original, session))
     return patcher.restore_all
+
+
+def follow_ddp_broadcast(session):
+    """Patch ``DistributedDataParallel.__init__`` so that the fp32 masters follow the weights DDP broadcasts.
+
+    DDP gives every rank rank 0's *model* params when it is built; under O2 those are the half copies, and the
+    masters made at ``initialize`` would keep each rank's own values (scripts that seed each rank differently,
+    e.g. NVIDIA's BERT pre-training, then train different weights per rank). Apex made its masters at the first
+    backward, after that broadcast; here, right after DDP's own broadcast, the masters of the wrapped module's
+    params are broadcast from the same source rank (collective, as DDP's construction is), and the half params
+    re-cast from them. Nothing happens for ``init_sync=False`` (DDP broadcasts nothing then). Returns the undo.
+    """
+    if not torch.distributed.is_available():
+        return lambda: None
+    patcher = Patcher()
+    patcher.install(torch.nn.parallel.DistributedDataParallel, "__init__",
+                    lambda original: _syncing_init(original, session))
+    return patcher.restore_all
+
+
+def _syncing_init(original, session):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if signature.bind(self, *args, **kwargs).arguments.get("init_sync", True):
+            _broadcast_module_masters(self, session)
+
+    return __init__
+
+
+def _broadcast_module_masters(ddp, session):
+    """Give the masters of ``ddp.module``'s params (not those DDP ignores) DDP's source rank's values."""
+    masters = session.masters()
+    ignored = getattr(ddp, "parameters_to_ignore", set())
+    pairs = [(p, masters[id(p)]) for name, p in ddp.module.named_parameters()
+             if id(p) in masters and name not in ignored]
+    if not pairs:
+        return
+    group = ddp.process_group
+    src = torch.distributed.get_global_rank(group, 0)
+    flat = torch._utils._flatten_dense_tensors([master.detach() for _, master in pairs])
+    torch.distributed.broadcast(flat, src=src, group=group)
+    with torch.no_grad():
+        for (model_p, master), value in zip(pairs, torch._utils._unflatten_dense_tensors(flat, [m for _, m in pairs])):
+            master.copy_(value)
+            model_p.copy_(master)
 
 
 def _counting_no_sync(original, session):

@@ -242,6 +242,7 @@ def _link_masters(session):
         patch.link_state_dict({**session.fp32_data, **masters})
     if masters:
         session.undo.append(distributed.track_no_sync(session))
+        session.undo.append(distributed.follow_ddp_broadcast(session))  # DDP built later: masters follow rank 0
 
 
 def _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor, backoff_factor,

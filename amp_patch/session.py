@@ -30,6 +30,7 @@ class Session:
         self.masters_checked = False  # the one-time DDP master-weight check of scale_loss
         self.unreachable = []  # import-time bindings amp_patch cannot reach (reported)
         self.fp32_data = {}  # id(param) -> fp32 data of params cast without an optimizer (for attach_optimizers)
+        self.extensions = {}  # what a layer above keeps about this session (legacy.stacking: the apex.amp calls)
 
     def scaler(self, loss_id):
         if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(self.scalers):

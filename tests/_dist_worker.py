@@ -291,7 +291,8 @@ def master_sync(rank, world):
 
 
 def master_warning(rank, world):
-    """Same setup without broadcast_master_params: the first scale_loss warns on the rank whose masters are stale."""
+    """Half params overwritten with rank 0's by hand (DDP's own broadcast is followed by the masters): the first
+    scale_loss warns on the rank whose masters are stale."""
     import warnings
 
     model = make_model(seed=rank)
@@ -299,6 +300,10 @@ def master_warning(rank, world):
     model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=HALF, verbosity=0)
     try:
         ddp = DDP(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                dist.broadcast(p.data, src=0)
+                p.add_(rank)  # (rank 0 keeps its masters' values; rank 1 drifts from its masters)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(2):

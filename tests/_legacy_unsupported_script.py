@@ -1,4 +1,4 @@
-"""An Apex script that edits Apex's internal op lists (unsupported): the run must fail with a helpful error."""
+"""An Apex script that uses Apex's internal LossScaler class (unsupported): the run must fail with a helpful error."""
 import torch
 
 from apex import amp
@@ -7,5 +7,5 @@ model = torch.nn.Linear(2, 2)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
 print("loss scale", amp._amp_state.loss_scalers[0].loss_scale())
-from apex.amp.lists import functional_overrides  # noqa: E402
-functional_overrides.FP32_FUNCS.remove("softmax")
+from apex.amp.scaler import LossScaler  # noqa: E402
+LossScaler("dynamic")

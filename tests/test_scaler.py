@@ -489,3 +489,23 @@ def test_scale_one_checks_without_touching_grads(dtype):
         poisoned = small.clone()
         poisoned[3] = bad
         assert scaler.unscale_grads([big, poisoned]) is True
+
+
+def test_rate_limited_overflows_are_reported_when_the_burst_ends(caplog, monkeypatch):
+    """Issue 19 item 7: overflow messages never undercount skipped steps: after a rate-limited burst, the first
+    clean step (once the interval has passed) logs how many were not logged, and the total."""
+    clock = FakeClock()
+    monkeypatch.setattr(LossScaler, "_clock", clock)
+    s = LossScaler(loss_id=4, log_interval=10.0)
+    with caplog.at_level(logging.INFO, logger="amp_patch"):
+        for _ in range(5):
+            s.update(True)
+            clock.now += 1.0
+        s.update(False)  # within the interval: not yet
+        clock.now += 10.0
+        s.update(False)
+        s.update(False)  # reported once
+    lines = [r.getMessage() for r in caplog.records if r.name == "amp_patch"]
+    assert len(lines) == 2 and lines[0].startswith("Gradient overflow")
+    assert lines[1] == ("loss scaler 4: 4 more overflow-skipped step(s) after the last 'Gradient overflow' message "
+                        "were not logged (rate limit: one message per 10 s); 5 step(s) skipped by this scaler in all")

@@ -23,7 +23,7 @@ import types
 
 from ..errors import UsageError
 from . import apex_amp, metadata
-from .mirror import TOP_LEVEL, has_mirror, is_alias_name, is_amp_name, mirror_name, mirror_spec
+from .mirror import MIRROR_ROOT, TOP_LEVEL, has_mirror, is_alias_name, is_amp_name, mirror_name, mirror_spec
 from .unsupported import attribute_error, import_error, missing_name_error
 
 log = logging.getLogger("amp_patch")
@@ -51,6 +51,10 @@ class _AmpLoader(importlib.abc.Loader):
         state_module.master_params = apex_amp.master_params
         setattr(state_module, _MARK, True)
         sys.modules[state_module.__name__] = state_module  # attribute apex.amp._amp_state stays the view
+        lists = apex_amp.lists  # apex.amp.lists and its three modules: the very lists initialize reads
+        sys.modules["apex.amp.lists"] = lists
+        for name in ("functional_overrides", "torch_overrides", "tensor_overrides"):
+            sys.modules[f"apex.amp.lists.{name}"] = getattr(lists, name)
 
 
 def _submodule_or_error(fullname, make_error):
@@ -76,6 +80,8 @@ class _StubApexLoader(importlib.abc.Loader):
         setattr(module, _MARK, True)
         module.__doc__ = "amp_patch's stand-in for NVIDIA apex: apex.amp and the apex modules amp_patch provides."
         module.__getattr__ = _stub_getattr
+        for name in getattr(importlib.import_module(MIRROR_ROOT), "__all__", ()):  # apex's own top-level names
+            setattr(module, name, getattr(importlib.import_module(MIRROR_ROOT), name))
         importlib.import_module("apex.amp")
 
 

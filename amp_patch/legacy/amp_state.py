@@ -13,7 +13,8 @@ every write goes to the live object it names.
 """
 from .. import _state
 from ..errors import NotInitializedError, UsageError
-from ..frontend import deinitialize, master_params
+from ..frontend import deinitialize
+from ..frontend import master_params as _master_params
 from .unsupported import attribute_error
 
 _PROPERTY_NAMES = ("opt_level", "cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
@@ -26,6 +27,15 @@ def _session(what):
         raise NotInitializedError(f"apex.amp._amp_state.{what} was read before amp.initialize(); it exists once "
                                   "amp.initialize(...) (or amp.init()) has run, until amp_patch.deinitialize()")
     return session
+
+
+def master_params(optimizer):
+    """Apex's ``amp.master_params``: the params ``optimizer`` updates (O2: the fp32 masters). Like Apex's (a loop
+    over ``param_groups``) it works before or without ``initialize`` and for optimizers it was not given."""
+    session = _state.current()
+    if session is not None and session.enabled and session.opt_states.get(id(optimizer)) is not None:
+        return _master_params(optimizer)
+    return (p for group in optimizer.param_groups for p in group["params"])
 
 
 class ScalerView:

@@ -12,13 +12,15 @@ in :mod:`amp_patch.legacy.handle`; ``_amp_state`` is a live view of the session
 import functools
 import logging
 
-from .. import _state
-from ..frontend import deinitialize, load_state_dict, master_params, state_dict
+from ..frontend import deinitialize, load_state_dict, state_dict
 from ..frontend import initialize as _initialize
+from . import amp_lists as lists
+from . import stacking
 from ..scaling import scale_loss
 from ..casting.registry import (disable_casts, float_function, half_function, promote_function, register_float_function,
                                 register_half_function, register_promote_function)
 from .amp_state import AMP_STATE as _amp_state
+from .amp_state import master_params
 from .handle import init
 from .unsupported import attribute_error
 
@@ -27,28 +29,21 @@ __all__ = [
     "register_float_function", "register_promote_function", "half_function", "float_function", "promote_function",
     "disable_casts", "init", "deinitialize",
 ]
-_EXTRA = ["_amp_state"]  # provided by ``apex.amp`` too, but not star-imported (as in Apex)
+_EXTRA = ["_amp_state", "lists"]  # provided by ``apex.amp`` too, but not star-imported (as in Apex)
 
 log = logging.getLogger("amp_patch")
 
 
 @functools.wraps(_initialize)
 def initialize(*args, **kwargs):
-    """Apex's ``amp.initialize``: amp_patch's, except that a second call replaces the open session.
+    """Apex's ``amp.initialize``: amp_patch's, except that a second call adds to the open session.
 
-    Apex let a script initialize again without undoing the first call (a k-fold loop builds a model per fold; the
-    Hugging Face Trainer initializes on every ``train()``), so here the open session is deinitialized first (its
-    models and optimizers get their fp32 params back, O2's trained masters included) and a warning says so.
-    ``amp_patch.initialize`` itself still refuses a second call.
+    As in Apex, the models and optimizers of earlier calls stay initialized and keep training, and the loss
+    scalers are the new call's. A call with other options (another opt level) closes the open session first,
+    with a warning. See :mod:`amp_patch.legacy.stacking`; ``amp_patch.initialize`` itself still refuses a
+    second call.
     """
-    session = _state.current()
-    if session is not None:
-        log.warning("amp.initialize() called again while a session is open (opt_level %s): closing it first, as "
-                    "Apex allowed; its models and optimizers are restored to fp32. Call amp.deinitialize() "
-                    "between the runs to do this explicitly.", session.props.opt_level if session.enabled
-                    else "disabled")
-        deinitialize()
-    return _initialize(*args, **kwargs)
+    return stacking.initialize(*args, **kwargs)
 
 
 def __getattr__(name):

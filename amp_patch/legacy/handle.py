@@ -16,6 +16,7 @@ from ..errors import UsageError
 from ..frontend import deinitialize, initialize
 from ..scaling.optimizer_state import OptimizerState
 from ..scaling.scaler import LossScaler
+from . import stacking
 from .amp_state import ScalerView
 from .unsupported import attribute_error
 
@@ -30,12 +31,27 @@ def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False,
     """
     if not enabled:
         return NoOpHandle()
-    if _state.current() is not None:
-        raise UsageError("amp.init() was called while amp_patch is already initialized (amp.init() or "
-                         "amp.initialize() ran before); use one of the two APIs once per process, or call "
-                         "handle._deactivate() / amp_patch.deinitialize() first")
-    initialize([], opt_level="O1", loss_scale=loss_scale, verbosity=1 if verbose else 0, allow_banned=allow_banned)
-    return AmpHandle(_state.current(), enable_caching=enable_caching, verbose=verbose)
+    call = {"opt_level": "O1", "loss_scale": loss_scale, "verbosity": 1 if verbose else 0,
+            "allow_banned": allow_banned}
+    session = _state.current()
+    if session is not None and stacking.record(session)["handles"]:
+        raise UsageError("amp.init() was called while amp_patch is already initialized by an earlier amp.init() "
+                         "(its handle is active); call handle._deactivate() (or amp_patch.deinitialize()) before "
+                         "calling amp.init() again")
+    if session is not None and stacking._compatible(session, call):
+        return _bind(session, enable_caching, verbose)  # amp.init() after an O1 amp.initialize(): both stay active
+    if session is not None:
+        stacking._close_incompatible(session, call)
+    initialize([], **stacking.with_list_edits(call))
+    stacking.record(_state.current())["calls"] = dict(call)
+    return _bind(_state.current(), enable_caching, verbose)
+
+
+def _bind(session, enable_caching, verbose):
+    """A handle on ``session``, remembered so that a later ``amp.initialize`` that rebuilds it keeps it active."""
+    handle = AmpHandle(session, enable_caching=enable_caching, verbose=verbose)
+    stacking.record(session)["handles"].append(handle)
+    return handle
 
 
 @contextlib.contextmanager
@@ -81,6 +97,7 @@ class AmpHandle:
         if state is None or state.optimizer is not optimizer:
             state = OptimizerState(optimizer, master_weights=False)
             session.opt_states[id(optimizer)] = state
+            session.undo.append(state.restore)  # (its step hooks go with the session)
         return state
 
     def wrap_optimizer(self, optimizer, num_loss=1):
@@ -162,7 +179,7 @@ class OptimWrapper:
         self._loss_idx = 0
         self._scalers = []
         if handle.is_active():
-            self._state = handle.attach(optimizer)
+            handle.attach(optimizer)
             self._scalers = [handle.new_scaler(i) for i in range(num_loss)]
 
     @contextlib.contextmanager
@@ -176,7 +193,8 @@ class OptimWrapper:
                              f"wrap_optimizer(num_loss={self._num_loss}); pass num_loss={self._loss_idx + 1}")
         scaler = self._scalers[self._loss_idx]
         self._loss_idx += 1
-        with _scaled(self._handle._session, self._state, scaler, loss) as scaled:
+        state = self._handle.attach(self.optimizer)  # (a later amp.initialize may have rebuilt the session)
+        with _scaled(self._handle._session, state, scaler, loss) as scaled:
             yield scaled
 
     def step(self, closure=None):

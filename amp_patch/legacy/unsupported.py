@@ -23,9 +23,6 @@ UNSUPPORTED = {
     "amp.rnn_compat": ("apex.amp.rnn_compat (Apex's internal RNN patching)",
                        "nothing: amp_patch's O1 casts nn.LSTM/GRU/RNN through its op lists (docs/op_lists.md); "
                        "delete the call"),
-    "amp.lists": ("apex.amp.lists (Apex's hard-coded O1 op lists)",
-                  "amp.initialize(..., op_lists='apex' | 'my_lists.yaml' | {...}) (docs/op_lists.md) or "
-                  "amp.register_half/float/promote_function"),
     "amp.scaler": ("apex.amp.scaler (Apex's LossScaler class)",
                    "amp.state_dict()/amp.load_state_dict() for the scale, amp_patch.loss_scale(loss_id) to read it"),
     "amp.LossScaler": ("apex.amp.LossScaler", "amp.state_dict() or amp_patch.loss_scale(loss_id)"),
@@ -57,7 +54,7 @@ UNSUPPORTED = {
     "pyprof": ("apex.pyprof", "torch.profiler"),
 }
 _INTERNAL_AMP = ("amp", "frontend", "_initialize", "_process_optimizer", "handle", "opt", "wrap", "utils", "compat",
-                 "_amp_state", "rnn_compat", "lists", "scaler", "__version__")
+                 "_amp_state", "rnn_compat", "scaler", "__version__")
 
 
 class ApexFeatureError(AmpPatchError):

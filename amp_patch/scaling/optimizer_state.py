@@ -118,6 +118,8 @@ class OptimizerState:
         self.check_foreign("scale_loss")
         if self.skip_next and not self._any_grad():
             self.skip_next = False  # grads cleared (e.g. model.zero_grad()) after an overflow: nothing to skip
+        elif self.skip_next and distributed.world_size() == 1:
+            self._forget_doomed_grads()
         if self.pending_scaler is scaler:
             return
         self.unreduced |= in_place
@@ -131,6 +133,18 @@ class OptimizerState:
         if grads and scaler.scale != 1.0:
             _rescale(grads, scaler.scale)
         self.pending_scaler = scaler
+
+    def _forget_doomed_grads(self):
+        """The coming step is skipped (an overflow since the last step): zero the grads it will drop, so this
+        backward's overflow check sees only what this backward produces (Apex checked the new grads alone);
+        an inf an earlier loss left here must not make this loss's scaler back off, nor skip other optimizers
+        this loss names. Zeroed, not cleared: the step must still know it is skipped. Single process only: under
+        DDP the grads in ``param.grad`` (e.g. of a ``no_sync()`` backward) must still reach the other ranks through
+        the next all-reduce, so there the whole accumulation is checked, as before (skipping more, never less)."""
+        grads = [p.grad for p in self._grad_params() if p.grad is not None and not p.grad.is_sparse]
+        if grads:
+            torch._foreach_zero_(grads)
+        self.pending_inf = False
 
     def after_backward(self, scaler, delay_unscale):
         """Leaving scale_loss: unscale (unless delayed) and return whether grads overflowed."""
@@ -255,7 +269,15 @@ class OptimizerState:
         if self.pairs and not self.last_skipped:
             with torch.no_grad():
                 torch._foreach_copy_([p for p, _ in self.pairs], [m for _, m in self.pairs])
+        self._clear_master_grads()
         self.masters_stale = bool(self.pairs)
+
+    def _clear_master_grads(self):
+        """After every step the fp32 master grads go (as in Apex): model-side zeroing (``p.grad = None`` on the
+        model's params, ``model.zero_grad()``) never reaches them, so a master whose half param gets no grad
+        in the next iteration's first backward would otherwise add the last iteration's grad."""
+        for _, master in self.pairs:
+            master.grad = None
 
     # -- teardown -------------------------------------------------------------------------------
     def restore(self):

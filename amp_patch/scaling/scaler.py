@@ -191,6 +191,7 @@ class LossScaler:
         self.steps += 1
         if not found_inf:
             self.last_overflow = False
+            self._report_suppressed()
             self._hysteresis_tracker = self._hysteresis
             self._growth_tracker += 1
             if self._dynamic and self._growth_tracker >= self._growth_interval:
@@ -230,9 +231,21 @@ class LossScaler:
             return
         if self._suppressed:
             message += (f" ({self._suppressed} similar message(s) suppressed in the last "
-                        f"{now - self._last_log_time:.1f} s)")
+                        f"{now - self._last_log_time:.1f} s; {self.skipped_steps} step(s) skipped by this scaler "
+                        "in all)")
         logger.log(level, message)
         self._last_log_time = now
+        self._suppressed = 0
+
+    def _report_suppressed(self):
+        """A clean step after rate-limited overflow messages: say how many were not logged (once the interval
+        has passed), so the log never undercounts the skipped steps."""
+        if not self._suppressed or self._clock() - self._last_log_time < self._log_interval:
+            return
+        logger.info("loss scaler %d: %d more overflow-skipped step(s) after the last 'Gradient overflow' message "
+                    "were not logged (rate limit: one message per %g s); %d step(s) skipped by this scaler in all",
+                    self.loss_id, self._suppressed, self._log_interval, self.skipped_steps)
+        self._last_log_time = self._clock()
         self._suppressed = 0
 
     def state_dict(self):

@@ -5,4 +5,11 @@
 ``apex_C`` extensions are :mod:`amp_patch.legacy.amp_C` and :mod:`amp_patch.legacy.apex_C`). Each works
 without the alias too (``from amp_patch.legacy.apex.optimizers import FusedAdam``). This package imports
 none of them: importing it costs nothing. See docs/migration.md for what is provided and what differs.
+``DeprecatedFeatureWarning`` is Apex's top-level warning class (``apex.DeprecatedFeatureWarning``).
 """
+
+__all__ = ["DeprecatedFeatureWarning"]
+
+
+class DeprecatedFeatureWarning(FutureWarning):
+    """Apex's warning for its deprecated features (scripts filter or raise it by this class)."""

@@ -128,8 +128,10 @@ def _num(value):
 
 def _healthy(report, run):
     warmup = len(run.warmup_skips)
-    why = (f"; {warmup} warm-up skip(s): the dynamic loss scale backed off from {run.skips[0]['scale']} until the "
-           "gradients fit, as designed" if warmup else "")
+    later = sum(s["kind"] == "backoff" for s in run.skips)
+    recovered = f" ({later} of them later backoffs the scaler recovered from at the next step)" if later else ""
+    why = (f"; {warmup} warm-up skip(s){recovered}: the dynamic loss scale backed off from {run.skips[0]['scale']} "
+           "until the gradients fit, as designed" if warmup else "")
     return _finish(report, HEALTHY, f"no op-list change needed: no skipped step after warm-up and a finite "
                    f"final loss{why}")
 

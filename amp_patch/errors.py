@@ -24,6 +24,15 @@ class ConfigError(AmpPatchError, ValueError):
     """An invalid argument to ``initialize`` or another entry point."""
 
 
+class JobError(ConfigError):
+    """A ``--job`` function that raised: the message names the job, the exception and the user's ``file:line``;
+    ``details`` holds the full traceback (what ``--verbose`` prints)."""
+
+    def __init__(self, message, details=""):
+        super().__init__(message)
+        self.details = details
+
+
 class UsageError(AmpPatchError, RuntimeError):
     """amp_patch used in the wrong order or on the wrong objects."""
 

@@ -4,9 +4,10 @@ import importlib.util
 import os
 import sys
 
+from ..cli import add_verbose, error
 from ..errors import AmpPatchError
 from .api import format_reports, run_experiment
-from .models import BUILTIN, builtin_spec, load_job
+from .models import BUILTIN, builtin_spec, cwd_on_path, load_job
 from .report import JSON_NAME, PNG_NAME
 from .variants import VARIANTS
 
@@ -51,6 +52,7 @@ def add_parser(subparsers):
     parser.add_argument("--no-isolate", action="store_true",
                         help="run the variants one after the other in this process (debugging)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_verbose(parser)
     parser.set_defaults(func=run_command)
     return parser
 
@@ -81,8 +83,7 @@ def run_command(args):
                                  out_dir=args.out, isolate=not args.no_isolate, progress=not args.no_progress,
                                  threads=_threads(args), rounds=args.rounds, timeout_s=args.timeout)
     except AmpPatchError as exc:
-        sys.stderr.write(f"amp-patch experiment: error: {exc}\n")
-        return 2
+        return error("experiment", exc, args)
     sys.stdout.write(format_reports(reports) + "\n")
     sys.stdout.flush()
     png = os.path.join(args.out, PNG_NAME)
@@ -91,10 +92,7 @@ def run_command(args):
     return 1 if failed else 0
 
 
-def _cwd_on_path():
-    """``--job mypkg.jobs:make_job`` finds ``./mypkg`` as ``python -m`` would (spawned variants inherit it)."""
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
+_cwd_on_path = cwd_on_path  # (the name trace_cli used)
 
 
 def _has_matplotlib():

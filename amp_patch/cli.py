@@ -62,6 +62,35 @@ def job_raised(command, exc, args):
     return error(command, job_error(args.job, "running it", exc), args)
 
 
+class _HalfDtype(argparse.Action):
+    """``--half-dtype``: any of casting.wrappers.HALF_DTYPE_NAMES, stored as the canonical name; what the user
+    typed is kept in ``half_dtype_given`` (see :func:`echo_half_dtype`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .casting.wrappers import parse_half_dtype
+        from .errors import ConfigError
+        try:
+            dtype = parse_half_dtype(values, option_string)
+        except ConfigError as exc:
+            raise argparse.ArgumentError(self, f"{values!r}; {str(exc).split('; ', 1)[1]}") from None
+        setattr(namespace, self.dest, str(dtype).replace("torch.", ""))
+        namespace.half_dtype_given = values
+
+
+def add_half_dtype(parser, default, why):
+    """The ``--half-dtype`` option of a command: a name or a shorthand (fp16, bf16, 16, 16-mixed, bf16-mixed)."""
+    parser.add_argument("--half-dtype", action=_HalfDtype, default=default, metavar="DTYPE",
+                        help=f"float16 or bfloat16, or a shorthand: fp16/half/16/16-mixed, bf16/bf16-mixed "
+                             f"(default {default}: {why})")
+
+
+def echo_half_dtype(command, args):
+    """One line on stderr when ``--half-dtype`` was a shorthand: the canonical name the command uses."""
+    given = getattr(args, "half_dtype_given", None)
+    if given is not None and given != args.half_dtype:
+        sys.stderr.write(f"amp-patch {command}: --half-dtype {given} is {args.half_dtype}\n")
+
+
 def _subcommand(name):
     def register(add):
         SUBCOMMANDS[name] = add
@@ -275,6 +304,9 @@ def main(argv=None):
         return status
     except BrokenPipeError:
         return _stdout_closed()
+    except KeyboardInterrupt:  # Ctrl-C in a command that does not handle it itself: one line, not a traceback
+        sys.stderr.write(f"\namp-patch {args.command}: interrupted (Ctrl-C)\n")
+        return 130
 
 
 def _stdout_closed():

@@ -64,3 +64,13 @@ class PatchError(AmpPatchError, RuntimeError):
 
 class MissingDependencyError(AmpPatchError, ImportError):
     """An optional integration (e.g. ``amp_patch.lightning``) needs a package that is not installed."""
+
+
+class ExperimentInterrupted(KeyboardInterrupt):
+    """Ctrl-C during an experiment. ``reports``: the jobs' reports with the rounds that finished (a report cut
+    short has ``"partial": True`` and its unfinished variants the status ``interrupted``). A KeyboardInterrupt,
+    so code that handles Ctrl-C keeps doing so."""
+
+    def __init__(self, reports):
+        super().__init__("interrupted")
+        self.reports = reports

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from .cli import add_verbose, error, job_raised
+from .cli import add_half_dtype, add_verbose, echo_half_dtype, error, job_raised
 from .errors import AmpPatchError
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -22,9 +22,7 @@ def add_parser(subparsers):
     parser.add_argument("--model", default="transformer", help="built-in job when --job is not given "
                         "(mlp, cnn, transformer; default transformer)")
     parser.add_argument("--opt-level", default="O1", choices=["O1"], help="tracing needs O1's patches")
-    parser.add_argument("--half-dtype", default="bfloat16", choices=sorted(_DTYPES),
-                        help="default bfloat16, as amp-patch experiment (CPU autocast's dtype, no loss scaling); "
-                             "initialize() defaults to float16 as Apex did")
+    add_half_dtype(parser, "bfloat16", "as amp-patch experiment; see README, 'Half dtype'")
     parser.add_argument("--op-lists", default=None, help="shipped list name or YAML path (default apex)")
     parser.add_argument("--no-modules", action="store_true", help="do not attribute calls to modules")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
@@ -67,6 +65,7 @@ def trace_one_iteration(job, *, half_dtype=torch.bfloat16, op_lists=None, module
 
 
 def run_command(args):
+    echo_half_dtype("trace", args)
     try:
         tracer = trace_one_iteration(_job(args), half_dtype=_DTYPES[args.half_dtype], op_lists=args.op_lists,
                                      modules=not args.no_modules)

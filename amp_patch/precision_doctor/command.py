@@ -3,7 +3,7 @@ import argparse
 import json
 import sys
 
-from ..cli import add_verbose, error, job_raised
+from ..cli import add_half_dtype, add_verbose, echo_half_dtype, error, job_raised
 from ..errors import AmpPatchError
 
 _EPILOG = """\
@@ -26,7 +26,7 @@ def add_parser(subparsers):
                              "path/to/file.py:function")
     parser.add_argument("--opt-level", default="O1",
                         help="the opt level diagnosed: only O1 (op lists act only under O1's per-op casting)")
-    parser.add_argument("--half-dtype", default="float16", choices=["float16", "bfloat16"])
+    add_half_dtype(parser, "float16", "the dtype whose overflow the doctor diagnoses")
     parser.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
     parser.add_argument("--op-lists", metavar="NAME_OR_FILE", default=None,
                         help="the op list the job uses (default: apex); the written list extends it")
@@ -40,6 +40,7 @@ def add_parser(subparsers):
 def run_command(args):
     """Run the doctor for parsed ``args``; returns the exit status."""
     from .api import doctor
+    echo_half_dtype("doctor", args)
     try:
         report = doctor(args.job, opt_level=args.opt_level, half_dtype=args.half_dtype, steps=args.steps,
                         op_lists=args.op_lists, out=args.out)

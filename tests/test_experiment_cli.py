@@ -217,3 +217,12 @@ def test_every_command_error_starts_with_its_name_and_error(capsys):
         assert err[-1].startswith(f"amp-patch {argv[0]}: error: "), (argv, err)
     assert cli.main(["trace", "--half-dtype", "fp8"]) == 2
     assert "argument --half-dtype: 'fp8'; allowed: torch.float16, torch.bfloat16" in capsys.readouterr().err
+
+
+def test_the_missing_matplotlib_notice_is_printed_whole(capsys, tmp_path, monkeypatch):
+    from amp_patch.experiment import command
+    monkeypatch.setattr(command, "_has_matplotlib", lambda: False)
+    assert cli.main(["experiment"] + TINY + ["--variants", "fp32", "--out", str(tmp_path)]) == 0
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first == (f"amp-patch experiment: no experiment.png will be written to {tmp_path}: matplotlib is not "
+                     "installed (pip install matplotlib); the table and the JSON are written as usual")

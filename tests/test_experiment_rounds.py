@@ -146,7 +146,8 @@ def test_a_hung_variant_is_killed_and_reported_as_timeout():
                      progress=False, timeout_s=4)
     o1 = report["variants"]["O1"]
     assert o1["status"] == "timeout" and "time limit of 4 s" in o1["error"]
-    assert time.monotonic() - start < 60
+    # (not the variant's default 600 s limit: a generous bound, since starting the process is slow under load)
+    assert time.monotonic() - start < 300, "the hung variant was not killed at its 4 s limit"
 
 
 def test_job_name_is_honoured_and_job_module_found_in_cwd(tmp_path, monkeypatch, capsys):

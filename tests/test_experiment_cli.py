@@ -151,6 +151,7 @@ def test_verdict_names_the_fastest_variant_within_tolerance_and_flags_a_loss_gap
     assert verdict(variants, loss_tolerance=0.2)["fastest"] == "O3"
     variants["O2"] = _variant("O2", 0.6, [4.0, 3.02, 2.05], 0.5, 1.1)  # a round where O2 was slower: n.s.
     assert "not significant" in verdict(variants)["text"]
+    assert "add it to --variants" in verdict({"O1": variants["O1"]})["text"]  # no fp32: no reference
 
 
 def test_the_table_says_which_way_the_ratios_go_and_ends_with_the_verdict(capsys, tmp_path):

@@ -92,8 +92,8 @@ def _plot_deviation(ax, report):
         dash, marker = _STYLES[index % len(_STYLES)]
         every = max(1, len(deviation) // 8)
         ax.plot(range(len(deviation)), deviation, label=label(name), linestyle=dash, marker=marker,
-                markevery=(index % every, every), markersize=5, linewidth=2.2 - 0.3 * index, alpha=0.85,
-                zorder=3 + index)
+                markevery=(index % every, every), markersize=9 - index, fillstyle="none", markeredgewidth=1.5,
+                linewidth=2.2 - 0.3 * index, alpha=0.85, zorder=3 + index)
     ax.set(title="|loss - fp32 loss| per step", xlabel="step", ylabel="|Δloss|")
     if ax.lines:
         ax.legend(fontsize="small")
@@ -106,6 +106,6 @@ def _plot_scales(ax, report):
         scales = report["variants"][name]["loss_scales"]
         dash, marker = _STYLES[index % len(_STYLES)]
         ax.plot(range(len(scales)), scales, label=label(name), linestyle=dash, marker=marker,
-                markevery=max(1, len(scales) // 8), markersize=5, alpha=0.85)
+                markevery=max(1, len(scales) // 8), markersize=9 - index, fillstyle="none", alpha=0.85)
     ax.set(title="loss scale (dynamic only)", xlabel="step", yscale="log")
     ax.legend(fontsize="small")

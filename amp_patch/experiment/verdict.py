@@ -52,9 +52,10 @@ def _label(name):
 
 def _text(v, variants):
     tolerance = f"{v['loss_tolerance']:.0%}"
-    if v["fastest"] is None:
-        head = (f"no variant to recommend: none ran to the end with its loss within {tolerance} of fp32's "
-                "(fp32 is needed as the reference)")
+    if "fp32" not in variants:
+        head = "none without fp32 (O0), the reference for step time and loss: add it to --variants"
+    elif v["fastest"] is None:
+        head = f"no variant to recommend: none ran with its loss within {tolerance} of fp32's"
     elif v["fastest"] == "fp32" or v["ratio"] >= 1.0:
         head = (f"stay with {_label('fp32')}: no variant whose loss stays within {tolerance} of fp32's is faster "
                 "here")

@@ -80,11 +80,12 @@ def _alive(pid):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to see the workers ended")
 def test_ctrl_c_keeps_the_finished_rounds_says_interrupted_once_and_exits_130(tmp_path):
+    """A path-style job, so the spawned variant processes load it by path too (issue 22, items 2 and 3)."""
     (tmp_path / "slow_jobs.py").write_text(SLOW_JOB)
     log = tmp_path / "steps.log"
     env = dict(os.environ, STEP_LOG=str(log), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.Popen([sys.executable, "-m", "amp_patch", "experiment", "--job", "slow_jobs:job", "--variants",
-                             "fp32,O1", "--steps", "40", "--out", "out"], cwd=str(tmp_path), env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "amp_patch", "experiment", "--job", "./slow_jobs.py:job",
+                             "--variants", "fp32,O1", "--steps", "40", "--out", "out"], cwd=str(tmp_path), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         # 2 untimed steps and a first round of 8 per variant; one step more: round 1 finished for both variants

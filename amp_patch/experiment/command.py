@@ -7,7 +7,7 @@ import sys
 from ..cli import add_half_dtype, add_verbose, echo_half_dtype, error
 from ..errors import AmpPatchError, ExperimentInterrupted
 from .api import format_reports, run_experiment
-from .models import BUILTIN, builtin_spec, cwd_on_path, load_job
+from .models import BUILTIN, builtin_spec, load_job
 from .report import JSON_NAME, PNG_NAME
 from .variants import VARIANTS
 from .verdict import LOSS_TOLERANCE
@@ -16,8 +16,11 @@ _EPILOG = """\
 A --job function takes no arguments and returns a dict (or object) with model_fn(), optimizer_fn(model),
 data_fn() (a Dataset or a tuple of tensors; items are (input, ..., target)) and loss_fn(output, target),
 optionally batch_size and name (the report's title); the callables must be module-level. MODULE is imported
-from the current directory first, then PYTHONPATH (as `python -m` does). Exit status: 0 when every variant ran
-(a diverging variant is a result, not an error), 1 when a variant failed or timed out, 2 on bad arguments."""
+from the current directory first, then PYTHONPATH (as `python -m` does); --job path/to/jobs.py:FUNCTION loads a
+file. A job that raises: one line naming it, the exception and your file:line (--verbose: the traceback).
+Each table ends with a Verdict line. Ctrl-C keeps the finished rounds (printed, and in the JSON marked partial).
+Exit status: 0 when every variant ran (a diverging variant is a result, not an error), 1 when a variant failed or
+timed out, 2 on bad arguments or a job that raises, 130 after Ctrl-C."""
 
 
 def add_parser(subparsers):
@@ -123,9 +126,6 @@ def _interrupted(args, reports):
     sys.stderr.write(f"\namp-patch experiment: interrupted (Ctrl-C){kept}\n")
     sys.stderr.flush()
     return 130
-
-
-_cwd_on_path = cwd_on_path  # (the name trace_cli used)
 
 
 def _has_matplotlib():

@@ -228,3 +228,29 @@ def test_the_missing_matplotlib_notice_is_printed_whole(capsys, tmp_path, monkey
     first = capsys.readouterr().err.splitlines()[0]
     assert first == (f"amp-patch experiment: no experiment.png will be written to {tmp_path}: matplotlib is not "
                      "installed (pip install matplotlib); the table and the JSON are written as usual")
+
+
+_CALLS = []
+
+
+def _interrupting_loss(output, target):
+    _CALLS.append(1)
+    if len(_CALLS) == 6:  # O1's first step (in process, fp32 ran its 5 steps before)
+        raise KeyboardInterrupt
+    return torch.nn.functional.cross_entropy(output, target)
+
+
+def test_ctrl_c_in_process_undoes_the_session_and_keeps_what_finished(tmp_path):
+    from test_experiment import tiny_data, tiny_model, tiny_optimizer
+    from amp_patch.errors import ExperimentInterrupted
+    _CALLS.clear()
+    with pytest.raises(ExperimentInterrupted) as stopped:
+        amp_patch.experiment.compare(tiny_model, tiny_optimizer, tiny_data, _interrupting_loss, variants="fp32,O1",
+                                     steps=5, rounds=3, batch_size=8, isolate=False, progress=False, out_dir=tmp_path)
+    assert amp_patch._state.current() is None  # O1's session was undone (the autouse fixture checks the patches)
+    (report,) = stopped.value.reports
+    fp32, o1 = report["variants"]["fp32"], report["variants"]["O1"]
+    assert report["partial"] is True and fp32["status"] == "ok" and len(fp32["rounds"]) == 3
+    assert o1["status"] == "interrupted" and o1["steps_run"] == 0
+    data = json.loads((tmp_path / "experiment.json").read_text())
+    assert data["partial"] is True and data["jobs"]["job"]["variants"]["fp32"]["steps_run"] == 5

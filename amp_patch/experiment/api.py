@@ -62,15 +62,20 @@ def run_experiment(jobs, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat
     try:
         for ref in refs:
             reports.append(_run_job(ref, variants, config, isolate, bar, loss_tolerance))
-    except ExperimentInterrupted as stop:
-        reports += stop.reports
+    except KeyboardInterrupt as stop:  # (ExperimentInterrupted from _run_job: its partial report)
+        reports += getattr(stop, "reports", [])
+        _write(reports, out_dir, partial=True)
         raise ExperimentInterrupted(reports) from None
     finally:
         bar.close()
-        if out_dir is not None:
-            write_json(reports, out_dir)
-            write_png(reports, out_dir)
+    _write(reports, out_dir, partial=False)
     return reports
+
+
+def _write(reports, out_dir, partial):
+    if out_dir is not None:
+        write_json(reports, out_dir, partial=partial)
+        write_png(reports, out_dir)
 
 
 def _starting_line(refs, variants, config, isolate):

@@ -155,11 +155,13 @@ def _times(v, base):
     return text if v[f"ratio_to_{base}_significant"] else text + " n.s."
 
 
-def write_json(reports, out_dir):
+def write_json(reports, out_dir, partial=False):
+    """``experiment.json``; ``partial``: Ctrl-C stopped the experiment (some jobs or rounds are missing)."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, JSON_NAME)
     with open(path, "w", encoding="utf-8") as f:
-        data = {"partial": any(r.get("partial") for r in reports), "jobs": {r["job"]: r for r in reports}}
+        data = {"partial": bool(partial or any(r.get("partial") for r in reports)),
+                "jobs": {r["job"]: r for r in reports}}
         json.dump(_jsonable(data), f, indent=1, allow_nan=False)
     return path
 

@@ -37,6 +37,60 @@ HOOKS = {
 }
 
 
+def add_verbose(parser):
+    """``--verbose``: a job that raises gets its full traceback after the one-line error."""
+    parser.add_argument("--verbose", action="store_true",
+                        help="after a one-line error about the job, print the job's full traceback")
+
+
+def error(command, exc, args=None):
+    """Report a user mistake as ``amp-patch COMMAND: error: ...`` on stderr (the job's traceback too with
+    ``--verbose``); returns exit status 2."""
+    sys.stderr.write(f"amp-patch {command}: error: {exc}\n")
+    details = getattr(exc, "details", "")
+    if details and getattr(args, "verbose", False):
+        sys.stderr.write(details if details.endswith("\n") else details + "\n")
+    return 2
+
+
+def job_raised(command, exc, args):
+    """A job's own code raised while the command ran it: one line naming the job, the exception and the user's
+    ``file:line`` (exit 2), or None when no frame of the traceback is the user's (an amp_patch bug: re-raise)."""
+    from .experiment.models import job_error, user_frame
+    if not getattr(args, "job", None) or user_frame(exc.__traceback__, users_only=True) is None:
+        return None
+    return error(command, job_error(args.job, "running it", exc), args)
+
+
+class _HalfDtype(argparse.Action):
+    """``--half-dtype``: any of casting.wrappers.HALF_DTYPE_NAMES, stored as the canonical name; what the user
+    typed is kept in ``half_dtype_given`` (see :func:`echo_half_dtype`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .casting.wrappers import parse_half_dtype
+        from .errors import ConfigError
+        try:
+            dtype = parse_half_dtype(values, option_string)
+        except ConfigError as exc:
+            raise argparse.ArgumentError(self, f"{values!r}; {str(exc).split('; ', 1)[1]}") from None
+        setattr(namespace, self.dest, str(dtype).replace("torch.", ""))
+        namespace.half_dtype_given = values
+
+
+def add_half_dtype(parser, default, why):
+    """The ``--half-dtype`` option of a command: a name or a shorthand (fp16, bf16, 16, 16-mixed, bf16-mixed)."""
+    parser.add_argument("--half-dtype", action=_HalfDtype, default=default, metavar="DTYPE",
+                        help=f"float16 or bfloat16, or a shorthand: fp16/half/16/16-mixed, bf16/bf16-mixed "
+                             f"(default {default}: {why})")
+
+
+def echo_half_dtype(command, args):
+    """One line on stderr when ``--half-dtype`` was a shorthand: the canonical name the command uses."""
+    given = getattr(args, "half_dtype_given", None)
+    if given is not None and given != args.half_dtype:
+        sys.stderr.write(f"amp-patch {command}: --half-dtype {given} is {args.half_dtype}\n")
+
+
 def _subcommand(name):
     def register(add):
         SUBCOMMANDS[name] = add
@@ -59,7 +113,9 @@ def _add_validate(subparsers):
     parser.add_argument("-q", "--quiet", action="store_true", help="print errors only")
     parser.add_argument("--job", metavar="MODULE:FUNCTION", default=None,
                         help="also check the lists' scopes: globs against this job's model (the experiment's job "
-                             "convention); a glob matching no module is an error")
+                             "convention: module:function from the current directory, or path/to/file.py:function)"
+                             "; a glob matching no module is an error")
+    add_verbose(parser)
     parser.set_defaults(func=_run_validate)
     return parser
 
@@ -80,9 +136,9 @@ def _run_validate(args):
     from .errors import AmpPatchError, OpListError
     from .casting.oplist import inactive_report, load_op_lists
     failed = 0
-    model = _job_model(args.job) if args.job else None
+    model = _job_model(args) if args.job else None
     if model is False:
-        return 1
+        return 2
     for arg in args.specs:
         try:
             table = load_op_lists(_spec_for(arg))
@@ -92,7 +148,7 @@ def _run_validate(args):
             continue
         except AmpPatchError as exc:  # unreadable file, unknown shipped name
             failed += 1
-            print(f"{arg}: {exc}", file=sys.stderr)
+            print(f"{arg}: {exc}", file=sys.stderr)  # a finding about this list, like its 'path:line:' ones
             continue
         if model is not None and not _scopes_match(arg, table, model):
             failed += 1
@@ -105,18 +161,18 @@ def _run_validate(args):
         for line in inactive_report(table):
             print(line)
     if failed:
-        print(f"amp-patch validate: {failed} of {len(args.specs)} op list(s) invalid", file=sys.stderr)
+        print(f"amp-patch validate: error: {failed} of {len(args.specs)} op list(s) invalid", file=sys.stderr)
     return 1 if failed else 0
 
 
-def _job_model(spec):
-    """The model of ``--job`` (False, reported, when the job cannot be loaded)."""
+def _job_model(args):
+    """The model of ``--job`` (False, reported, when the job cannot be loaded or its model_fn raises)."""
     from .errors import AmpPatchError
-    from .experiment.models import load_job
+    from .experiment.models import call_job, load_job
     try:
-        return load_job(spec).model_fn()
+        return call_job(args.job, load_job(args.job).model_fn)
     except AmpPatchError as exc:
-        print(f"amp-patch validate: {exc}", file=sys.stderr)
+        error("validate", exc, args)
         return False
 
 
@@ -250,6 +306,9 @@ def main(argv=None):
         return status
     except BrokenPipeError:
         return _stdout_closed()
+    except KeyboardInterrupt:  # Ctrl-C in a command that does not handle it itself: one line, not a traceback
+        sys.stderr.write(f"\namp-patch {args.command}: interrupted (Ctrl-C)\n")
+        return 130
 
 
 def _stdout_closed():

@@ -24,6 +24,15 @@ class ConfigError(AmpPatchError, ValueError):
     """An invalid argument to ``initialize`` or another entry point."""
 
 
+class JobError(ConfigError):
+    """A ``--job`` function that raised: the message names the job, the exception and the user's ``file:line``;
+    ``details`` holds the full traceback (what ``--verbose`` prints)."""
+
+    def __init__(self, message, details=""):
+        super().__init__(message)
+        self.details = details
+
+
 class UsageError(AmpPatchError, RuntimeError):
     """amp_patch used in the wrong order or on the wrong objects."""
 
@@ -60,3 +69,13 @@ class MissingDependencyError(AmpPatchError, ImportError):
 class TorchVersionError(AmpPatchError, RuntimeError):
     """This torch lacks an internal amp_patch reads (dynamo's trace rules, ...): the message names the torch version,
     what is missing and the tested range (amp_patch.torch_compat)."""
+
+
+class ExperimentInterrupted(KeyboardInterrupt):
+    """Ctrl-C during an experiment. ``reports``: the jobs' reports with the rounds that finished (a report cut
+    short has ``"partial": True`` and its unfinished variants the status ``interrupted``). A KeyboardInterrupt,
+    so code that handles Ctrl-C keeps doing so."""
+
+    def __init__(self, reports):
+        super().__init__("interrupted")
+        self.reports = reports

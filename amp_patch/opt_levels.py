@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from .casting.wrappers import HALF_DTYPES
+from .casting.wrappers import HALF_DTYPES, parse_half_dtype
 from .errors import ConfigError
 from .scaling.scaler import parse_loss_scale as _parse_static_or_dynamic
 
@@ -111,8 +111,7 @@ def resolve(opt_level, *, half_dtype=None, keep_fp32_modules=(), **overrides):
 
 
 def _resolve_half_dtype(half_dtype, cast_model_type):
-    if half_dtype is not None and half_dtype not in HALF_DTYPES:
-        raise ConfigError(f"half_dtype={half_dtype!r}; allowed: torch.float16, torch.bfloat16")
+    half_dtype = None if half_dtype is None else parse_half_dtype(half_dtype)  # also "fp16", "bf16-mixed", ...
     if cast_model_type not in (None, False, torch.float32) + HALF_DTYPES:
         raise ConfigError(f"cast_model_type={cast_model_type!r}; allowed: torch.float32, torch.float16, "
                           "torch.bfloat16, False (do not cast the model) or None (the opt level's default)")

@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from .cli import add_half_dtype, add_verbose, echo_half_dtype, error, job_raised
 from .errors import AmpPatchError
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -16,16 +17,16 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 def add_parser(subparsers):
     parser = subparsers.add_parser("trace", help="print which ops ran in which dtype for one iteration of a job",
                                    description=__doc__.splitlines()[0])
-    parser.add_argument("--job", help="module:function returning a job (see amp_patch.experiment.models)")
+    parser.add_argument("--job", help="module:function (from the current directory first) or path/to/file.py:function "
+                        "returning a job (see amp_patch.experiment.models)")
     parser.add_argument("--model", default="transformer", help="built-in job when --job is not given "
                         "(mlp, cnn, transformer; default transformer)")
     parser.add_argument("--opt-level", default="O1", choices=["O1"], help="tracing needs O1's patches")
-    parser.add_argument("--half-dtype", default="bfloat16", choices=sorted(_DTYPES),
-                        help="default bfloat16, as amp-patch experiment (CPU autocast's dtype, no loss scaling); "
-                             "initialize() defaults to float16 as Apex did")
+    add_half_dtype(parser, "bfloat16", "as amp-patch experiment; see README, 'Half dtype'")
     parser.add_argument("--op-lists", default=None, help="shipped list name or YAML path (default apex)")
     parser.add_argument("--no-modules", action="store_true", help="do not attribute calls to modules")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
+    add_verbose(parser)
     parser.set_defaults(func=run_command)
     return parser
 
@@ -34,8 +35,6 @@ def _job(args):
     from .experiment.models import BUILTIN, load_job
 
     if args.job:
-        from .experiment.command import _cwd_on_path
-        _cwd_on_path()
         return load_job(args.job)
     if args.model not in BUILTIN:
         raise AmpPatchError(f"--model {args.model!r}; allowed: {', '.join(BUILTIN)}")
@@ -66,12 +65,17 @@ def trace_one_iteration(job, *, half_dtype=torch.bfloat16, op_lists=None, module
 
 
 def run_command(args):
+    echo_half_dtype("trace", args)
     try:
         tracer = trace_one_iteration(_job(args), half_dtype=_DTYPES[args.half_dtype], op_lists=args.op_lists,
                                      modules=not args.no_modules)
     except AmpPatchError as exc:
-        print(f"amp-patch trace: {exc}", file=sys.stderr)
-        return 2
+        return error("trace", exc, args)
+    except Exception as exc:  # noqa: BLE001 - the job's own code raised (else job_raised is None: re-raise)
+        status = job_raised("trace", exc, args)
+        if status is None:
+            raise
+        return status
     if args.json:
         print(json.dumps(json.loads(tracer.to_json()), indent=2))
     else:

@@ -36,9 +36,12 @@ EQUIV_MAX_SCALE = 2.0 ** 10
 
 
 # -- launcher ---------------------------------------------------------------------------------------
-def run_ranks(job, tmp_path, world=2, timeout=45.0, **kwargs):
+def run_ranks(job, tmp_path, world=2, timeout=45.0, scale=True, **kwargs):
     """Run ``JOBS[job]`` (or ``"module:function"``) on ``world`` gloo ranks in fresh interpreters; return the
-    per-rank results."""
+    per-rank results. ``timeout``: an idle machine's figure, scaled to the measured speed
+    (``tests_support.time_limit``) unless ``scale`` is False."""
+    from tests_support import time_limit
+    timeout = round(time_limit(timeout)) if scale else timeout
     out = str(tmp_path)
     torch.save({"job": job, "world": world, "kwargs": kwargs}, os.path.join(out, "job.pt"))
     here = os.path.dirname(os.path.abspath(__file__))

@@ -181,3 +181,14 @@ def layered_job():
 def layered_one_hot_job():
     return {"model_fn": LayeredOneHot, "optimizer_fn": _sgd, "data_fn": attention_data, "loss_fn": _ce,
             "batch_size": 16, "name": "layered_one_hot"}
+
+
+def _summed_ce(out, target):
+    return F.cross_entropy(out.float(), target) * 70.0  # a summed loss: its gradients are 70x the mean's
+
+
+def healthy_backoff_job():
+    """A healthy float16 MLP whose gradients do not fit the scaler's initial 65536: it backs off 4 times before
+    the first applied step (65536 -> 4096) and once more at step 5, then trains (issue 22, item 6)."""
+    return {"model_fn": mlp_model, "optimizer_fn": _sgd, "data_fn": lambda_free_mlp_data, "loss_fn": _summed_ce,
+            "batch_size": 16, "name": "healthy_backoff"}

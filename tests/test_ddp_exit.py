@@ -37,25 +37,49 @@ class _SlowWorkerDist:
         threading.Thread(target=lambda: (time.sleep(self.hold_s), held.clear()), daemon=True).start()
 
 
+class _Clock:
+    """Stands in for the module's ``time``: each monotonic() read advances ``step`` seconds (no real waiting)."""
+
+    def __init__(self, step):
+        self.now, self.step, self.reads = 0.0, step, 0
+
+    def monotonic(self):
+        self.reads += 1
+        self.now += self.step
+        return self.now
+
+    @staticmethod
+    def sleep(seconds):
+        time.sleep(seconds)
+
+
 def test_the_overflow_all_reduce_returns_only_after_the_gloo_worker_let_go():
     flag = torch.zeros(1)
     refs = sys.getrefcount(flag)
-    amp_dist._all_reduce_and_let_go(_SlowWorkerDist("gloo", 0.05), flag, "max")
+    # a limit no loaded machine reaches: the pass depends on the worker letting go, not on how fast it does
+    amp_dist._all_reduce_and_let_go(_SlowWorkerDist("gloo", 0.05), flag, "max", limit_s=600)
     assert sys.getrefcount(flag) == refs
 
 
-def test_the_wait_is_bounded_and_only_under_gloo():
-    flag = torch.zeros(1)
-    start = time.monotonic()
-    with pytest.warns(RuntimeWarning, match="kept a reference"):
-        amp_dist._all_reduce_and_let_go(_SlowWorkerDist("gloo", 1.0), flag, "max", limit_s=0.1)
-    assert time.monotonic() - start < 0.6
+def test_the_wait_is_bounded_and_only_under_gloo(monkeypatch):
+    """Counted on a fake clock (issue 22: wall-clock bounds fail on a loaded machine)."""
+    class _Keeps(_SlowWorkerDist):
+        def all_reduce(self, tensor, op):
+            self.held = tensor  # never let go
 
+    clock = _Clock(0.01)
+    monkeypatch.setattr(amp_dist, "time", clock)
+    flag = torch.zeros(1)
+    with pytest.warns(RuntimeWarning, match="kept a reference"):
+        amp_dist._all_reduce_and_let_go(_Keeps("gloo", 0), flag, "max", limit_s=0.1)
+    assert 0.1 < clock.now <= 0.13 and clock.reads <= 13  # gave up at the limit, not before, not much after
+
+    clock = _Clock(0.01)
+    monkeypatch.setattr(amp_dist, "time", clock)
     flag = torch.zeros(1)
     refs = sys.getrefcount(flag)
-    start = time.monotonic()
     amp_dist._all_reduce_and_let_go(_SlowWorkerDist("nccl", 0.5), flag, "max")
-    assert time.monotonic() - start < 0.3 and sys.getrefcount(flag) == refs + 1  # NCCL's watchdog: not waited for
+    assert clock.reads == 0 and sys.getrefcount(flag) == refs + 1  # NCCL's watchdog: not waited for at all
 
 
 def _exit_codes(mode, tmp_path, index):
@@ -78,10 +102,14 @@ def _exit_codes(mode, tmp_path, index):
     return codes
 
 
+@pytest.mark.stress
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 def test_twenty_runs_of_the_two_rank_o2_script_exit_cleanly(tmp_path):
     """Issue 13 measured 6 aborts in 20 runs with amp_patch (2 with torch alone). Two runs at a time, so the
-    ranks compete for the 2 cores as a busy machine makes them do (the race needs a late worker)."""
+    ranks compete for the 2 cores as a busy machine makes them do (the race needs a late worker).
+
+    Opt-in (``pytest -m stress``; 40 processes, ~50 s idle and over 10 minutes under load): the mechanism it
+    exercises is guarded by the deterministic tests above on every run."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2) as pool:

@@ -119,6 +119,18 @@ def test_healthy_mlp_needs_no_change_via_the_command_line(tmp_path, capsys, monk
     assert report["fixes"] == [] and not out.exists()
 
 
+def test_a_healthy_mlp_whose_scaler_backs_off_at_the_start_needs_no_change(capsys):
+    """Backoffs before the first applied step, and a later one the scaler recovers from, are the scaler finding
+    its scale (issue 22: the doctor said "not fixable" and exited 1)."""
+    status = cli.main(["doctor", "--job", "_doctor_jobs:healthy_backoff_job", "--steps", str(STEPS), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert [s["kind"] for s in train(jobs.healthy_backoff_job(), opt_level="O1", half_dtype=torch.float16,
+                                     steps=STEPS).skips] == ["warmup"] * 4 + ["backoff"]  # the job does back off
+    assert status == 0 and report["status"] == "healthy", report["summary"]
+    assert report["summary"].startswith("no op-list change needed") and report["before"]["other_skips"] == 0
+    assert report["before"]["warmup_skips"] == 5 and "1 of them later" in report["summary"]
+
+
 @pytest.mark.parametrize("level", ["O2", "O3"])
 def test_doctor_refuses_o2_o3_saying_why_and_what_to_do(level, tmp_path, capsys):
     with pytest.raises(amp_patch.ConfigError) as refused:

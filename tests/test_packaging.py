@@ -65,3 +65,26 @@ def test_declared_floors_are_what_the_tests_run():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert f"Python >= {py_floor[0]}.{py_floor[1]}" in readme and torch_compat.REQUIREMENT in readme
     assert "numpy" in requires  # torch warns "Failed to initialize NumPy" in every process without it
+
+
+def test_license_file_classifiers_and_project_urls():
+    """Issue 22, item 8: the declared BSD-3-Clause licence ships as a file; the metadata says what the package is."""
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    meta = cfg["metadata"]
+    text = (REPO / "LICENSE").read_text(encoding="utf-8")
+    assert meta["license"] == "BSD-3-Clause" and meta["license_files"].strip() == "LICENSE"
+    assert text.startswith("BSD 3-Clause License") and "Copyright (c) 2026, amp_patch developers" in text
+    assert "Neither the name of the copyright holder" in text  # the third clause
+    classifiers = meta["classifiers"].split("\n")
+    assert "Framework :: Pytest" not in classifiers and "License :: OSI Approved :: BSD License" in classifiers
+    urls = dict(line.split(" = ", 1) for line in meta["project_urls"].strip().splitlines())
+    assert set(urls) == {"Source", "Documentation", "Issues"} and all(u.startswith("https://") for u in urls.values())
+
+
+def test_the_long_description_has_no_relative_links():
+    """README.md is the package index page: a relative link (docs/...) would point nowhere there."""
+    import re
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)]+)\)", readme)
+    assert [link for link in links if not link.startswith(("https://", "http://", "#"))] == []

@@ -1,8 +1,11 @@
 """Helpers shared by tests (imported as a plain module: pytest puts tests/ on sys.path)."""
+import functools
 import os
 import signal
+import statistics
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -64,10 +67,38 @@ def _descendants(pid):
     return found
 
 
-def run_killing_group(cmd, cwd, env=None, timeout=120):
+# The probe's median time (50k iterations of a Python loop) on an idle core of this project's 2-core EPYC.
+_PROBE_IDLE_S = 0.0025
+TIME_SCALE_ENV = "AMP_PATCH_TEST_TIME_SCALE"
+
+
+@functools.lru_cache(maxsize=None)
+def machine_slowdown():
+    """How much slower than idle this machine runs Python now (>= 1), measured once per test process: the median
+    of five short probes over the idle figure. A loaded 2-core box (load 10-18) measures 5-10."""
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        total = 0
+        for i in range(50_000):
+            total += i
+        times.append(time.perf_counter() - start)
+    return max(1.0, statistics.median(times) / _PROBE_IDLE_S)
+
+
+def time_limit(seconds):
+    """A limit for work that takes at most about ``seconds`` on an idle machine: three times that, times the
+    measured :func:`machine_slowdown` (``AMP_PATCH_TEST_TIME_SCALE`` replaces the whole factor). A limit only
+    ends a hung test, so a generous one costs nothing when the test passes; no pass depends on the speed."""
+    factor = os.environ.get(TIME_SCALE_ENV)
+    return seconds * (float(factor) if factor else 3.0 * machine_slowdown())
+
+
+def run_killing_group(cmd, cwd, env=None, timeout=120, scale=True):
     """subprocess.run that, on timeout, kills the launcher and everything it started (torchrun's workers live in
     sessions of their own and hold the output pipes), then fails the test; stdout and stderr are captured
-    separately."""
+    separately. ``timeout`` is an idle machine's figure, scaled by :func:`time_limit` unless ``scale`` is False."""
+    timeout = round(time_limit(timeout)) if scale else timeout
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(cwd), env=env,
                             start_new_session=True)
     try:
@@ -82,7 +113,8 @@ def run_killing_group(cmd, cwd, env=None, timeout=120):
             out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             out, err = "(output pipes still held open)", ""
-        pytest.fail(f"{' '.join(map(str, cmd))} timed out after {timeout}s:\n{out[-3000:]}\n{err[-3000:]}")
+        pytest.fail(f"{' '.join(map(str, cmd))} timed out after {timeout}s (limit scaled to this machine's measured "
+                    f"speed; set {TIME_SCALE_ENV} to change it):\n{out[-3000:]}\n{err[-3000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

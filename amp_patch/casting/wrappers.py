@@ -12,11 +12,27 @@ import threading
 
 import torch
 
-from ..errors import BannedOpError, CastError
+from ..errors import BannedOpError, CastError, ConfigError
 
 Tensor = torch.Tensor
 FP32 = torch.float32
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+# what Lightning (precision="16-mixed"), Accelerate (mixed_precision="fp16") and torch users type for a half dtype
+HALF_DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "16": torch.float16,
+                    "16-mixed": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                    "bf16-mixed": torch.bfloat16}
+
+
+def parse_half_dtype(value, name="half_dtype"):
+    """``torch.float16`` or ``torch.bfloat16`` from a dtype or one of :data:`HALF_DTYPE_NAMES` (also with a
+    ``torch.`` prefix, any case, or the int 16); a :class:`~amp_patch.errors.ConfigError` for anything else."""
+    if value in HALF_DTYPES:
+        return value
+    key = str(value).strip().lower().removeprefix("torch.") if isinstance(value, (str, int)) else None
+    if key in HALF_DTYPE_NAMES and not isinstance(value, bool):
+        return HALF_DTYPE_NAMES[key]
+    raise ConfigError(f"{name}={value!r}; allowed: torch.float16, torch.bfloat16 (or by name: 'float16', 'fp16', "
+                      "'half', '16', '16-mixed'; 'bfloat16', 'bf16', 'bf16-mixed')")
 FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 _TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _PLAIN_TYPES = frozenset((int, float, bool, complex, str, bytes, type(None), slice, type(Ellipsis), torch.dtype,

@@ -1,25 +1,28 @@
 """``compare`` (one job, Python API) and ``run_experiment`` (several jobs, what the CLI calls)."""
 import logging
+import math
 import pickle
 import sys
 
 import torch
 
 from .. import _state
-from ..errors import ConfigError, UsageError
+from ..casting.wrappers import parse_half_dtype
+from ..errors import ConfigError, ExperimentInterrupted, UsageError
 from .isolation import IsolatedRun
 from .models import Job, as_job, load_job
-from .report import Progress, markdown, summarize, write_json, write_png
+from .plot import write_png
+from .report import Progress, markdown, summarize, write_json
 from .runner import Config, VariantRun, job_from_ref
 from .variants import VARIANTS, parse_variants
+from .verdict import LOSS_TOLERANCE
 
 log = logging.getLogger("amp_patch")
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def compare(model_fn, optimizer_fn, data_fn, loss_fn, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat16,
             device="cpu", seed=0, out_dir=None, isolate=True, batch_size=32, name="job", progress=True,
-            threads=None, rounds=5, timeout_s=600.0):
+            threads=None, rounds=5, timeout_s=600.0, loss_tolerance=LOSS_TOLERANCE):
     """Train the same job under each variant (fp32/O0, O1, O2, O3, native autocast) and report.
 
     Each variant runs in its own spawned process (``isolate=True``; the four callables must then be
@@ -30,33 +33,61 @@ def compare(model_fn, optimizer_fn, data_fn, loss_fn, *, variants=VARIANTS, step
     run (e.g. 1 for steadier CPU timings on a busy machine); None keeps torch's default. The timed steps are
     split into ``rounds`` rounds; with ``isolate=True`` each round runs every variant in turn (interleaved),
     and a variant process working longer than ``timeout_s`` seconds in all is killed and reported as
-    ``timeout`` (None: no limit).
+    ``timeout`` (None: no limit). ``loss_tolerance``: the verdict's bound on a variant's loss gap to fp32,
+    relative to fp32's loss (:mod:`amp_patch.experiment.verdict`). Ctrl-C raises
+    :class:`~amp_patch.errors.ExperimentInterrupted`, whose ``reports`` hold the finished rounds (also written
+    to ``out_dir``, marked ``partial``).
     """
     job = as_job(Job(model_fn, optimizer_fn, data_fn, loss_fn, batch_size=batch_size, name=name))
     return run_experiment([job], variants=variants, steps=steps, half_dtype=half_dtype, device=device, seed=seed,
                           out_dir=out_dir, isolate=isolate, progress=progress, threads=threads, rounds=rounds,
-                          timeout_s=timeout_s)[0]
+                          timeout_s=timeout_s, loss_tolerance=loss_tolerance)[0]
 
 
 def run_experiment(jobs, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat16, device="cpu", seed=0,
-                   out_dir=None, isolate=True, progress=True, threads=None, rounds=5, timeout_s=600.0):
+                   out_dir=None, isolate=True, progress=True, threads=None, rounds=5, timeout_s=600.0,
+                   loss_tolerance=LOSS_TOLERANCE):
     """Run every job (a :class:`Job` or a ``module:function`` string) under every variant; a list of reports.
     The keywords are :func:`compare`'s."""
     config = make_config(steps, half_dtype, device, seed, threads, rounds, timeout_s)
     variants = parse_variants(variants)
+    _check_tolerance(loss_tolerance)
     refs = [_check_ref(ref, isolate) for ref in jobs]
     if not isolate and _state.current() is not None:
         raise UsageError("an amp_patch session is active; call amp_patch.deinitialize() before running an "
                          "in-process experiment (or pass isolate=True)")
     bar = Progress(len(refs) * len(variants), config.steps, enabled=progress)
+    bar.announce(_starting_line(refs, variants, config, isolate))
+    reports = []
     try:
-        reports = [_run_job(ref, variants, config, isolate, bar) for ref in refs]
+        for ref in refs:
+            reports.append(_run_job(ref, variants, config, isolate, bar, loss_tolerance))
+    except KeyboardInterrupt as stop:  # (ExperimentInterrupted from _run_job: its partial report)
+        reports += getattr(stop, "reports", [])
+        _write(reports, out_dir, partial=True)
+        raise ExperimentInterrupted(reports) from None
     finally:
         bar.close()
-    if out_dir is not None:
-        write_json(reports, out_dir)
-        write_png(reports, out_dir)
+    _write(reports, out_dir, partial=False)
     return reports
+
+
+def _write(reports, out_dir, partial):
+    if out_dir is not None:
+        write_json(reports, out_dir, partial=partial)
+        write_png(reports, out_dir)
+
+
+def _starting_line(refs, variants, config, isolate):
+    where = "in separate processes" if isolate else "in this process"
+    jobs = f" x {len(refs)} jobs" if len(refs) > 1 else ""
+    return (f"starting {len(variants)} variant{'s' if len(variants) != 1 else ''}{jobs} {where} "
+            f"({config.steps} steps, {str(config.half_dtype).replace('torch.', '')}, {config.device})...")
+
+
+def _check_tolerance(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ConfigError(f"loss_tolerance={value!r}; pass a number >= 0 (0.05: a loss within 5% of fp32's)")
 
 
 def make_config(steps, half_dtype, device, seed, threads=None, rounds=5, timeout_s=600.0):
@@ -67,9 +98,7 @@ def make_config(steps, half_dtype, device, seed, threads=None, rounds=5, timeout
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                   or not timeout_s > 0):
         raise ConfigError(f"timeout_s={timeout_s!r}; pass a positive number of seconds, or None for no limit")
-    half_dtype = _DTYPES.get(half_dtype, half_dtype)
-    if half_dtype not in (torch.float16, torch.bfloat16):
-        raise ConfigError(f"half_dtype={half_dtype!r}; allowed: torch.float16, torch.bfloat16")
+    half_dtype = parse_half_dtype(half_dtype)
     try:
         kind = torch.device(device).type
     except (RuntimeError, TypeError) as exc:
@@ -118,7 +147,7 @@ def _job_name(ref):
     return ref.name if isinstance(ref, Job) else load_job(ref).name  # the job's own name, if it gives one
 
 
-def _run_job(ref, variants, config, isolate, bar):
+def _run_job(ref, variants, config, isolate, bar, loss_tolerance=LOSS_TOLERANCE):
     """Every variant of one job: set up, then the timed rounds (interleaved when isolated), then close."""
     name = _job_name(ref)
 
@@ -132,9 +161,25 @@ def _run_job(ref, variants, config, isolate, bar):
         runs = {v: VariantRun(job_from_ref(ref), v, config, on_step=on_step(f"{name} {v}")) for v in variants}
         order = [[item] for item in runs.items()]
     results = {}
-    for group in order:
-        results.update(_run_group(group, name, config, bar))
-    return summarize(name, config, {v: results[v] for v in variants}, isolate)
+    try:
+        for group in order:
+            results.update(_run_group(group, name, config, bar))
+    except KeyboardInterrupt:  # Ctrl-C: end every variant, keep their finished rounds
+        results.update({v: results.get(v) or _interrupted(run) for v, run in runs.items()})
+        report = summarize(name, config, {v: results[v] for v in variants}, isolate, loss_tolerance)
+        report["partial"] = True
+        raise ExperimentInterrupted([report]) from None
+    return summarize(name, config, {v: results[v] for v in variants}, isolate, loss_tolerance)
+
+
+def _interrupted(run):
+    """The run's result so far, marked interrupted (an in-process run is closed: its session undone)."""
+    if isinstance(run, IsolatedRun):
+        return run.interrupt()
+    result = run.close() if run.active or run.runner is not None else run.result
+    if result["status"] == "ok":
+        result.update(status="interrupted", error=f"interrupted (Ctrl-C) after {len(result['rounds'])} round(s)")
+    return result
 
 
 def _run_group(group, name, config, bar):

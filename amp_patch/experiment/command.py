@@ -4,18 +4,23 @@ import importlib.util
 import os
 import sys
 
-from ..errors import AmpPatchError
+from ..cli import add_half_dtype, add_verbose, echo_half_dtype, error
+from ..errors import AmpPatchError, ExperimentInterrupted
 from .api import format_reports, run_experiment
 from .models import BUILTIN, builtin_spec, load_job
 from .report import JSON_NAME, PNG_NAME
 from .variants import VARIANTS
+from .verdict import LOSS_TOLERANCE
 
 _EPILOG = """\
 A --job function takes no arguments and returns a dict (or object) with model_fn(), optimizer_fn(model),
 data_fn() (a Dataset or a tuple of tensors; items are (input, ..., target)) and loss_fn(output, target),
 optionally batch_size and name (the report's title); the callables must be module-level. MODULE is imported
-from the current directory first, then PYTHONPATH (as `python -m` does). Exit status: 0 when every variant ran
-(a diverging variant is a result, not an error), 1 when a variant failed or timed out, 2 on bad arguments."""
+from the current directory first, then PYTHONPATH (as `python -m` does); --job path/to/jobs.py:FUNCTION loads a
+file. A job that raises: one line naming it, the exception and your file:line (--verbose: the traceback).
+Each table ends with a Verdict line. Ctrl-C keeps the finished rounds (printed, and in the JSON marked partial).
+Exit status: 0 when every variant ran (a diverging variant is a result, not an error), 1 when a variant failed or
+timed out, 2 on bad arguments or a job that raises, 130 after Ctrl-C."""
 
 
 def add_parser(subparsers):
@@ -30,12 +35,12 @@ def add_parser(subparsers):
     parser.add_argument("--model", action="append", choices=sorted(BUILTIN) + ["all"],
                         help="built-in job on synthetic data; repeatable (default: all, unless --job is given)")
     parser.add_argument("--steps", type=int, default=40, help="training steps per variant (default 40)")
-    parser.add_argument("--half-dtype", choices=["bfloat16", "float16"], default="bfloat16",
-                        help="default bfloat16: no loss scaling needed, and CPU autocast's dtype; initialize() "
-                             "defaults to float16 as Apex did")
+    add_half_dtype(parser, "bfloat16", "see README, 'Half dtype'")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
+    parser.add_argument("--variants", "--opt-level", "--opt-levels", nargs="+", default=[",".join(VARIANTS)],
+                        metavar="VARIANT",
+                        help=f"a subset of {','.join(VARIANTS)}, separated by commas or spaces (O0 is fp32; "
+                             "--opt-level O1 O2 is the same option; default: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=5,
                         help="the timed steps are split into this many rounds; each round runs every variant in "
@@ -51,6 +56,10 @@ def add_parser(subparsers):
     parser.add_argument("--no-isolate", action="store_true",
                         help="run the variants one after the other in this process (debugging)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--loss-tolerance", type=float, default=LOSS_TOLERANCE, metavar="FRACTION",
+                        help="the verdict's bound on a variant's loss gap to fp32, relative to fp32's loss at each "
+                             f"step (default {LOSS_TOLERANCE:g}: within {LOSS_TOLERANCE:.0%})")
+    add_verbose(parser)
     parser.set_defaults(func=run_command)
     return parser
 
@@ -65,6 +74,10 @@ def _jobs(args):
     return jobs
 
 
+def _variants(args):
+    return ",".join(args.variants)
+
+
 def _threads(args):
     if args.threads is not None:
         return args.threads
@@ -72,29 +85,47 @@ def _threads(args):
 
 
 def run_command(args):
-    """Run the experiment the parsed ``args`` describe; returns the exit status."""
-    _cwd_on_path()
+    """Run the experiment the parsed ``args`` describe; returns the exit status (130 after Ctrl-C)."""
+    echo_half_dtype("experiment", args)
     _announce_png(args.out)
     try:
-        reports = run_experiment(_jobs(args), variants=args.variants, steps=args.steps,
+        reports = run_experiment(_jobs(args), variants=_variants(args), steps=args.steps,
                                  half_dtype=args.half_dtype, device=args.device, seed=args.seed,
                                  out_dir=args.out, isolate=not args.no_isolate, progress=not args.no_progress,
-                                 threads=_threads(args), rounds=args.rounds, timeout_s=args.timeout)
+                                 threads=_threads(args), rounds=args.rounds, timeout_s=args.timeout,
+                                 loss_tolerance=args.loss_tolerance)
     except AmpPatchError as exc:
-        sys.stderr.write(f"amp-patch experiment: error: {exc}\n")
-        return 2
-    sys.stdout.write(format_reports(reports) + "\n")
-    sys.stdout.flush()
-    png = os.path.join(args.out, PNG_NAME)
-    sys.stderr.write(f"wrote {os.path.join(args.out, JSON_NAME)}" + (f" and {png}\n" if _has_matplotlib() else "\n"))
+        return error("experiment", exc, args)
+    except ExperimentInterrupted as stop:
+        return _interrupted(args, stop.reports)
+    except KeyboardInterrupt:  # before any variant ran
+        return _interrupted(args, [])
+    _print_reports(reports)
+    _wrote(args.out)
     failed = [v for r in reports for v in r["variants"].values() if v["status"] in ("failed", "timeout")]
     return 1 if failed else 0
 
 
-def _cwd_on_path():
-    """``--job mypkg.jobs:make_job`` finds ``./mypkg`` as ``python -m`` would (spawned variants inherit it)."""
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
+def _print_reports(reports):
+    if reports:
+        sys.stdout.write(format_reports(reports) + "\n")
+        sys.stdout.flush()
+
+
+def _wrote(out):
+    png = os.path.join(out, PNG_NAME)
+    sys.stderr.write(f"wrote {os.path.join(out, JSON_NAME)}" + (f" and {png}\n" if _has_matplotlib() else "\n"))
+
+
+def _interrupted(args, reports):
+    """Ctrl-C: the finished rounds as a table, and one line saying where they were written; exit 130."""
+    _print_reports(reports)
+    rounds = sum(len(v["rounds"]) for r in reports for v in r["variants"].values())
+    kept = (f"; {rounds} finished round(s) written to {os.path.join(args.out, JSON_NAME)} (marked partial)"
+            if rounds else "; no round had finished")
+    sys.stderr.write(f"\namp-patch experiment: interrupted (Ctrl-C){kept}\n")
+    sys.stderr.flush()
+    return 130
 
 
 def _has_matplotlib():
@@ -104,4 +135,4 @@ def _has_matplotlib():
 def _announce_png(out):
     if not _has_matplotlib():
         sys.stderr.write(f"amp-patch experiment: no {PNG_NAME} will be written to {out}: matplotlib is not "
-                         "installed (pip install matplotlib); the table and the JSON are\n")
+                         "installed (pip install matplotlib); the table and the JSON are written as usual\n")

@@ -5,7 +5,9 @@ The parent keeps one process per variant alive for the whole job and sends it co
 patches, allocator and peak memory). A process that crashes is reported as ``failed``; one that exceeds the
 variant's time limit (``Config.timeout_s``, the time it spends working) is killed and reported as ``timeout``.
 """
+import contextlib
 import multiprocessing
+import signal
 import time
 
 from .runner import VariantRun, _fail, job_from_ref, new_result
@@ -31,7 +33,7 @@ def _child_main(conn, job_ref, variant, config):
             conn.send(("result", run.close() if run.job is not None else run.result))
             conn.close()
             return
-        conn.send(("done", None))
+        conn.send(("done", run.snapshot() if command == "round" else None))
 
 
 class IsolatedRun:
@@ -40,11 +42,13 @@ class IsolatedRun:
     def __init__(self, job_ref, variant, config, on_step=None):
         self.variant, self.config, self.on_step = variant, config, on_step
         self.result = None
+        self.partial = None  # the result as of the last finished round (kept when the experiment is interrupted)
         self.used_s = 0.0
         ctx = multiprocessing.get_context("spawn")
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=_child_main, args=(child_conn, job_ref, variant, config), daemon=True)
-        self.proc.start()
+        with _sigint_ignored():  # inherited: Ctrl-C reaches the parent only, which ends the variant processes
+            self.proc.start()
         child_conn.close()
 
     def setup(self):
@@ -89,8 +93,11 @@ class IsolatedRun:
                 kind, payload = self.conn.recv()
                 if kind == "step" and self.on_step is not None:
                     self.on_step(payload)
-                elif kind == "result" or kind == "done":
-                    self.result = payload if kind == "result" else None
+                elif kind == "result":
+                    self.result = payload
+                    return
+                elif kind == "done":
+                    self.partial = payload if payload is not None else self.partial
                     return
         except EOFError:
             self.proc.join()
@@ -98,6 +105,19 @@ class IsolatedRun:
                                      f"{command!r}")
         finally:
             self.used_s += time.monotonic() - start
+
+    def interrupt(self):
+        """End the variant's process now; the result as of its last finished round, marked ``interrupted``."""
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+        if self.result is not None:
+            return self.result
+        result = self.partial or new_result(self.variant, True)
+        result.update(status="interrupted", pid=self.proc.pid,
+                      error=f"interrupted (Ctrl-C) after {len(result['rounds'])} finished round(s)")
+        return result
 
     def _timed_out(self, limit):
         self.proc.kill()
@@ -109,3 +129,18 @@ class IsolatedRun:
         result = new_result(self.variant, True)
         result.update(status="failed", pid=self.proc.pid, error=error)
         return result
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored while a child starts: a process started so keeps ignoring it (Python installs its
+    KeyboardInterrupt handler only where SIGINT is not ignored). Only in the main thread (signal's rule)."""
+    try:
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: leave it
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)

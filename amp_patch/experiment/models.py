@@ -15,12 +15,17 @@ object with those attributes (``batch_size`` and ``name`` optional). Every calla
 """
 import dataclasses
 import importlib
+import importlib.util
+import os
+import sys
+import sysconfig
+import traceback
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..errors import ConfigError
+from ..errors import ConfigError, JobError
 
 _FIELDS = ("model_fn", "optimizer_fn", "data_fn", "loss_fn")
 
@@ -58,18 +63,101 @@ def as_job(obj, name=None):
 
 
 def load_job(spec):
-    """Import ``module:function`` and call the function to get its :class:`Job`."""
-    module_name, sep, func_name = str(spec).partition(":")
+    """The :class:`Job` of ``module:function`` (the module found from the current directory first, then
+    ``sys.path``, as ``python -m`` does) or ``path/to/file.py:function``. A function that raises is a
+    :class:`~amp_patch.errors.JobError` naming the job, the exception and the user's ``file:line``."""
+    module_name, sep, func_name = str(spec).rpartition(":")
     if not sep or not module_name or not func_name:
-        raise ConfigError(f"--job {spec!r}; expected module:function, e.g. mypkg.jobs:make_job")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"--job {spec!r}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?") from exc
+        raise ConfigError(f"--job {spec!r}; expected module:function or path/to/file.py:function, "
+                          "e.g. mypkg.jobs:make_job or ./jobs.py:make_job")
+    module = _import_job_module(spec, module_name)
     func = getattr(module, func_name, None)
     if not callable(func):
         raise ConfigError(f"--job {spec!r}: {module_name} has no callable {func_name!r}")
-    return as_job(func(), name=func_name)
+    return as_job(call_job(spec, func), name=func_name)
+
+
+def _is_path(module_name):
+    return module_name.endswith(".py") or "/" in module_name or os.sep in module_name
+
+
+def _import_job_module(spec, module_name):
+    if _is_path(module_name):
+        return _import_file(spec, module_name)
+    cwd_on_path()
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        if getattr(exc, "name", None) and not module_name.startswith(exc.name):
+            raise job_error(spec, "importing it", exc) from None  # the job's module imports something missing
+        raise ConfigError(f"--job {spec!r}: cannot import {module_name!r} ({exc}); run from the directory that "
+                          "holds it, put it on PYTHONPATH, or pass path/to/file.py:function") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed at import time
+        raise job_error(spec, "importing it", exc) from None
+
+
+def _import_file(spec, path):
+    """Import ``path`` as the module named after the file (registered in sys.modules, so its jobs pickle)."""
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):
+        raise ConfigError(f"--job {spec!r}: no such file: {path!r} (relative paths start from "
+                          f"{os.getcwd()!r})")
+    name = os.path.splitext(os.path.basename(full))[0]
+    loaded = sys.modules.get(name)
+    if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") == full:
+        return loaded
+    module_spec = importlib.util.spec_from_file_location(name, full)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's file failed at import time
+        del sys.modules[name]
+        raise job_error(spec, "importing it", exc) from None
+    return module
+
+
+def cwd_on_path():
+    """``--job mypkg.jobs:make_job`` finds ``./mypkg`` first, as ``python -m`` would (spawned variants inherit it)."""
+    cwd = os.getcwd()
+    if sys.path[:1] not in ([cwd], [""]):
+        if cwd in sys.path:
+            sys.path.remove(cwd)
+        sys.path.insert(0, cwd)
+
+
+def call_job(spec, func, *args):
+    """``func(*args)``, a raise turned into a :class:`JobError` about job ``spec``."""
+    try:
+        return func(*args)
+    except Exception as exc:  # noqa: BLE001 - the user's code raised: one line, the traceback kept for --verbose
+        raise job_error(spec, f"calling {getattr(func, '__name__', 'it')}()", exc) from None
+
+
+def job_error(spec, doing, exc):
+    where = user_frame(exc.__traceback__)
+    at = f" at {where}" if where else ""
+    details = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return JobError(f"--job {spec!r} raised {type(exc).__name__}: {exc} ({doing}{at}; --verbose shows the "
+                    "traceback)", details)
+
+
+_NOT_USER = tuple(os.path.join(os.path.normcase(os.path.abspath(p)), "") for p in {
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), sysconfig.get_paths()["stdlib"],
+    sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+
+
+def user_frame(tb, users_only=False):
+    """``file:line`` of the innermost traceback frame in the user's code (not amp_patch, the stdlib or a
+    site-packages library); else, unless ``users_only``, the innermost frame; None without one."""
+    frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith("<")]
+    mine = [f for f in frames if not os.path.normcase(os.path.abspath(f.filename)).startswith(_NOT_USER)]
+    if not mine and (users_only or not frames):
+        return None
+    frame = (mine or frames)[-1]
+    path = os.path.abspath(frame.filename)
+    shown = os.path.relpath(path) if path.startswith(os.path.join(os.getcwd(), "")) else frame.filename
+    return f"{shown}:{frame.lineno}"
 
 
 # --- built-in jobs on synthetic data ---------------------------------------------------------------------

@@ -5,20 +5,25 @@ import math
 import os
 import statistics
 import sys
+import time
 
 import torch
+
+from .verdict import LOSS_TOLERANCE, verdict
 
 log = logging.getLogger("amp_patch")
 
 JSON_NAME, PNG_NAME = "experiment.json", "experiment.png"
+_USABLE = ("ok", "interrupted")  # an interrupted variant's finished rounds still compare
 
 
-def summarize(job_name, config, results, isolated):
+def summarize(job_name, config, results, isolated, loss_tolerance=LOSS_TOLERANCE):
     """The report of one job: its config and, per variant, the result plus ratios and loss deviation.
 
     A ratio is taken round by round (the variant's median step time in round i over the base's in round i, so a
     busy moment of the machine slows both sides of it); ``ratio_to_fp32`` is the median of those, with its
     spread (``ratio_to_fp32_min``/``_max``) and ``ratio_to_fp32_significant`` (False when the spread includes 1).
+    ``verdict``: :func:`amp_patch.experiment.verdict.verdict` of the variants.
     """
     fp32 = results.get("fp32")
     native = results.get("native")
@@ -32,7 +37,8 @@ def summarize(job_name, config, results, isolated):
     return {"job": job_name, "steps": config.steps, "half_dtype": str(config.half_dtype).replace("torch.", ""),
             "device": config.device, "seed": config.seed, "isolated": isolated, "threads": _threads(results),
             "rounds": len(config.round_sizes()), "interleaved": isolated and len(results) > 1,
-            "timeout_s": config.timeout_s, "torch_version": torch.__version__, "variants": variants}
+            "timeout_s": config.timeout_s, "torch_version": torch.__version__, "variants": variants,
+            "verdict": verdict(variants, loss_tolerance)}
 
 
 def _threads(results):
@@ -43,7 +49,7 @@ def _threads(results):
 def _ratio(result, base, base_name):
     key = f"ratio_to_{base_name}"
     out = {key: None, f"{key}_min": None, f"{key}_max": None, f"{key}_significant": None}
-    if base is None or result.get("status") != "ok" or base.get("status") != "ok":
+    if base is None or result.get("status") not in _USABLE or base.get("status") not in _USABLE:
         return out
     per_round = [r["median_step_ms"] / b["median_step_ms"] for r, b in zip(result["rounds"], base["rounds"])
                  if r["median_step_ms"] and b["median_step_ms"]]
@@ -62,7 +68,7 @@ def _max_deviation(result, fp32):
 
 def loss_deviation(result, fp32):
     """``|loss - fp32 loss|`` per step (inf where the variant's loss was not finite); [] without an fp32 run."""
-    if fp32 is None or fp32["status"] != "ok" or not result["losses"]:
+    if fp32 is None or fp32["status"] not in _USABLE or not result["losses"]:
         return []
     return [abs(a - b) if isinstance(a, float) else math.inf for a, b in zip(result["losses"], fp32["losses"])]
 
@@ -72,20 +78,15 @@ def label(variant):
     return "O0 (fp32)" if variant == "fp32" else variant
 
 
-_COLUMNS = ("variant", "status", "median step ms (min-max)", "vs fp32", "vs native", "peak mem MiB (+in run)",
+_COLUMNS = ("variant", "status", "median step ms (min-max)", "step time vs fp32 (<1 faster)",
+            "vs native (<1 faster)", "peak mem MiB (+in run)",
             "final loss", "max \\|Δloss\\| vs fp32", "skipped steps", "final loss scale", "casts/iter",
             "syncs/step")
-_DTYPE_WHY = {
-    "bfloat16": "the default here, as bf16 needs no loss scaling and is CPU autocast's dtype; initialize() "
-                "defaults to float16, as Apex did, which --half-dtype float16 compares",
-    "float16": "initialize()'s default, as Apex's; dynamic loss scaling on for O1/O2 and native (GradScaler)",
-}
 
 
 def markdown(report):
     """A markdown section for one job: a heading, the table, notes on the columns and every variant's error."""
-    lines = [_heading(report), "", f"Half dtype {report['half_dtype']}: {_DTYPE_WHY[report['half_dtype']]}.", "",
-             "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    lines = [_heading(report), "", "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     for name, v in report["variants"].items():
         cells = [label(name), v["status"], _spread(v["median_step_ms"], v["step_ms_min"], v["step_ms_max"]),
                  _times(v, "fp32"), _times(v, "native"), _memory(v), _num(v["final_loss"], 4),
@@ -96,6 +97,8 @@ def markdown(report):
     for name, v in report["variants"].items():
         if v["error"]:
             lines.append(f"- **{label(name)}** {v['status']}: {v['error']}")
+    if report.get("verdict"):
+        lines += ["", f"**{report['verdict']['text']}**"]
     return "\n".join(lines)
 
 
@@ -103,7 +106,8 @@ def _heading(report):
     n = report["threads"]
     threads = f", {n} thread{'' if n == 1 else 's'}" if n else ""
     return (f"### {report['job']}: {report['steps']} steps, {report['half_dtype']}, {report['device']}{threads}, "
-            f"seed {report['seed']}{'' if report['isolated'] else ', in-process (not isolated)'}")
+            f"seed {report['seed']}{'' if report['isolated'] else ', in-process (not isolated)'}"
+            f"{' (interrupted: partial results)' if report.get('partial') else ''}")
 
 
 def _notes(report):
@@ -112,7 +116,8 @@ def _notes(report):
     how = ("each round runs every variant in turn, each in its own process" if report["interleaved"] else
            "the rounds of one variant back to back")
     return (f"Step times: median over {rounds} round{'s' if rounds != 1 else ''} ({how}) of each round's median "
-            "step, with the rounds' min-max; a ratio is taken round by round, and *n.s.* marks one whose min-max "
+            "step, with the rounds' min-max; a ratio is the variant's step time over fp32's (or native's): below "
+            "1.00x is faster. It is taken round by round, and *n.s.* marks one whose min-max "
             f"includes 1.00x (not significant). Peak memory: {'; '.join(kinds) or 'n/a'} (+ its growth during the "
             "run). Casts/iter: aten._to_copy calls in one forward+backward+step.")
 
@@ -150,11 +155,14 @@ def _times(v, base):
     return text if v[f"ratio_to_{base}_significant"] else text + " n.s."
 
 
-def write_json(reports, out_dir):
+def write_json(reports, out_dir, partial=False):
+    """``experiment.json``; ``partial``: Ctrl-C stopped the experiment (some jobs or rounds are missing)."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, JSON_NAME)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(_jsonable({"jobs": {r["job"]: r for r in reports}}), f, indent=1, allow_nan=False)
+        data = {"partial": bool(partial or any(r.get("partial") for r in reports)),
+                "jobs": {r["job"]: r for r in reports}}
+        json.dump(_jsonable(data), f, indent=1, allow_nan=False)
     return path
 
 
@@ -169,95 +177,19 @@ def _jsonable(value):
     return value
 
 
-def write_png(reports, out_dir):
-    """What a user decides on, one row per job: step time and peak memory per variant (bars: the median over the
-    rounds with their min-max), the loss deviation from fp32 per step, and the loss scale of the variants
-    whose scale is dynamic. None (and a log line) without matplotlib."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        log.debug("matplotlib is not installed (pip install matplotlib); skipping the PNG")
-        return None
-    fig = Figure(figsize=(16, 3.4 * len(reports)))
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(len(reports), 4, squeeze=False)
-    for row, report in zip(axes, reports):
-        _plot_bars(row[0], row[1], report)
-        _plot_deviation(row[2], report)
-        _plot_scales(row[3], report)
-    fig.tight_layout()
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, PNG_NAME)
-    fig.savefig(path, dpi=80)
-    return path
-
-
-def _plot_bars(time_ax, mem_ax, report):
-    names = [n for n, v in report["variants"].items() if v["median_step_ms"] is not None]
-    vs = [report["variants"][n] for n in names]
-    labels = [label(n) for n in names]
-    medians = [v["median_step_ms"] for v in vs]
-    spread = [[m - v["step_ms_min"] for m, v in zip(medians, vs)], [v["step_ms_max"] - m for m, v in zip(medians, vs)]]
-    time_ax.bar(labels, medians, yerr=spread, capsize=4, color="tab:blue")
-    time_ax.set(title=f"{report['job']}: step time\nmedian, min-max of rounds", ylabel="ms")
-    _plot_memory(mem_ax, report, labels, vs)
-
-
-def _plot_memory(ax, report, labels, vs):
-    """Each round's peak: median with min-max bars; the whole run's peak (no spread) where rounds have none."""
-    per_round = all(v.get("peak_memory_median_mib") is not None for v in vs)
-    if per_round:
-        mems = [v["peak_memory_median_mib"] for v in vs]
-        spread = [[m - v["peak_memory_min_mib"] for m, v in zip(mems, vs)],
-                  [v["peak_memory_max_mib"] - m for m, v in zip(mems, vs)]]
-        ax.bar(labels, mems, yerr=spread, capsize=4, color="tab:gray")
-    else:
-        ax.bar(labels, [v["peak_memory_mib"] or 0.0 for v in vs], color="tab:gray")
-    what = f"{vs[0]['memory_kind']}: " if vs else ""
-    how = "median, min-max of rounds" if per_round else "whole run (no per-round peak in process)"
-    ax.set(title=f"{report['job']}: peak memory\n{what}{how}", ylabel="MiB")
-
-
-def _plot_deviation(ax, report):
-    fp32 = report["variants"].get("fp32")
-    for name, v in report["variants"].items():
-        if name == "fp32":
-            continue
-        deviation = [d if math.isfinite(d) else float("nan") for d in loss_deviation(v, fp32)]
-        if deviation:
-            ax.plot(range(len(deviation)), deviation, label=label(name))
-    ax.set(title=f"{report['job']}: |loss - fp32 loss|", xlabel="step", ylabel="|Δloss|")
-    if ax.lines:
-        ax.legend(fontsize="small")
-    else:
-        ax.text(0.5, 0.5, "no fp32 run to compare with", ha="center", transform=ax.transAxes)
-
-
 def dynamic_scale_variants(report):
     """The variants whose loss scale changed or is not 1.0 (a static 1.0 scale is not drawn)."""
     return [n for n, v in report["variants"].items() if v["loss_scales"] and set(v["loss_scales"]) != {1.0}]
 
 
-def _plot_scales(ax, report):
-    for name in dynamic_scale_variants(report):
-        scales = report["variants"][name]["loss_scales"]
-        ax.plot(range(len(scales)), scales, label=label(name))
-    ax.set(title=f"{report['job']}: loss scale (dynamic only)", xlabel="step")
-    if ax.lines:
-        ax.set(yscale="log")
-        ax.legend(fontsize="small")
-    else:
-        ax.text(0.5, 0.5, "static loss scale 1.0 in every variant", ha="center", transform=ax.transAxes)
-
-
 class Progress:
-    """A text progress bar on stderr: ``[#####-----]  50% mlp O1 20/40``; one line per run when not a TTY.
-
-    Runs may interleave: each run (label) counts its own steps, the bar shows their sum.
+    """Progress on stderr: :meth:`announce` writes one line as the experiment starts; then, on a terminal only
+    (stdout and stderr both), a bar with the elapsed time and an ETA: ``[#####-----]  50% mlp O1 20/40  0:12
+    elapsed, ETA 0:12``. Quiet when the output goes to a file or a pipe. Runs may interleave: each run (label)
+    counts its own steps, the bar shows their sum.
     """
 
-    def __init__(self, total_runs, steps, stream=None, enabled=True, width=28):
+    def __init__(self, total_runs, steps, stream=None, enabled=True, width=28, tty=None, clock=time.monotonic):
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
         self.total = max(1, total_runs * steps)
@@ -265,7 +197,16 @@ class Progress:
         self.width = width
         self.done = {}
         self.label = ""
-        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.clock = clock
+        self.started = clock()
+        self.tty = enabled and (_both_terminals(self.stream) if tty is None else tty)
+
+    def announce(self, text):
+        """One line, terminal or not (unless progress is off): the command has started."""
+        if self.enabled:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+            self.started = self.clock()
 
     def start(self, label):
         self.label = label
@@ -273,35 +214,51 @@ class Progress:
 
     def step(self, done_in_run, label=None):
         self.done[label or self.label] = done_in_run
-        if self.tty:
-            self._render()
+        self._render()
 
     def end_run(self, status, label=None):
-        label = label or self.label
-        self.done[label] = self.steps
-        if self.enabled and not self.tty:
-            self.stream.write(f"{self._bar()} {label}: {status}\n")
-            self.stream.flush()
-        elif self.tty:
-            self._render()
+        self.done[label or self.label] = self.steps
+        self._render()
 
     def note(self, text):
-        """One line between runs when stderr is not a terminal (a log file shows the interleaved rounds advance)."""
-        if self.enabled and not self.tty:
-            self.stream.write(f"{self._bar()} {text}\n")
-            self.stream.flush()
+        """(Rounds advance silently: the bar shows them on a terminal.)"""
 
     def close(self):
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
 
-    def _bar(self):
-        frac = min(1.0, sum(self.done.values()) / self.total)
+    def fraction(self):
+        return min(1.0, sum(self.done.values()) / self.total)
+
+    def times(self):
+        """``elapsed`` and ``eta`` in seconds (eta None until a step is done): the rate so far, extrapolated."""
+        elapsed = max(0.0, self.clock() - self.started)
+        frac = self.fraction()
+        return elapsed, (elapsed * (1.0 - frac) / frac if frac > 0 else None)
+
+    def line(self):
+        frac = self.fraction()
         filled = int(round(frac * self.width))
-        return f"[{'#' * filled}{'-' * (self.width - filled)}] {frac * 100:3.0f}%"
+        elapsed, eta = self.times()
+        return (f"[{'#' * filled}{'-' * (self.width - filled)}] {frac * 100:3.0f}% {self.label} "
+                f"{self.done.get(self.label, 0)}/{self.steps}  {_clock(elapsed)} elapsed, ETA "
+                f"{'?' if eta is None else _clock(eta)}")
 
     def _render(self):
         if self.tty:
-            self.stream.write(f"\r{self._bar()} {self.label} {self.done.get(self.label, 0)}/{self.steps}\x1b[K")
+            self.stream.write(f"\r{self.line()}\x1b[K")
             self.stream.flush()
+
+
+def _clock(seconds):
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return (f"{hours}:" if hours else "") + f"{rest // 60:{'02' if hours else ''}d}:{rest % 60:02d}"
+
+
+def _both_terminals(stream):
+    try:
+        return stream.isatty() and sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False

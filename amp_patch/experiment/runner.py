@@ -12,6 +12,7 @@ peak), and on CPU in a variant's own process on Linux (the process's peak RSS, r
 ``peak_memory_mib`` stays the whole run's peak (setup included).
 """
 import contextlib
+import copy
 import dataclasses
 import math
 import os
@@ -124,6 +125,13 @@ class VariantRun:
         _finish(self.result, self.device, self.result["isolated"])
         _finish_memory(self.result, self._peak_before_resets)
         return self.result
+
+    def snapshot(self):
+        """A copy of the result as ``close()`` would finish it now (what an interrupted experiment keeps)."""
+        result = copy.deepcopy(self.result)
+        _finish(result, self.device, result["isolated"])
+        _finish_memory(result, self._peak_before_resets)
+        return result
 
     @contextlib.contextmanager
     def _guard(self):

@@ -8,6 +8,7 @@ import time
 import torch
 
 from .. import _state
+from ..casting.wrappers import parse_half_dtype
 from ..errors import ConfigError, UsageError
 from ..experiment.models import as_job, load_job
 from .fix import Fix, base_for_file, op_list_spec, search, yaml_text
@@ -15,7 +16,6 @@ from .locate import replay
 from .training import train
 
 HEALTHY, FIXED, NOT_FIXABLE, UNVERIFIED = "healthy", "fixed", "not_fixable", "unverified"
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclasses.dataclass
@@ -100,9 +100,7 @@ def _check_args(opt_level, half_dtype, steps, op_lists):
             "no op list moves an op to float32). Run the doctor with opt_level='O1' to find the op, then train at "
             "O1 with the list it writes, or at O2/O3 keep the culprit's module type in float32 with "
             "initialize(..., keep_fp32_modules=(TheModule,))")
-    half_dtype = _DTYPES.get(half_dtype, half_dtype)
-    if half_dtype not in (torch.float16, torch.bfloat16):
-        raise ConfigError(f"half_dtype={half_dtype!r}; allowed: torch.float16, torch.bfloat16")
+    half_dtype = parse_half_dtype(half_dtype)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise ConfigError(f"steps={steps!r}; pass an integer >= 2")
     if op_lists is None:
@@ -128,8 +126,10 @@ def _num(value):
 
 def _healthy(report, run):
     warmup = len(run.warmup_skips)
-    why = (f"; {warmup} warm-up skip(s): the dynamic loss scale backed off from {run.skips[0]['scale']} until the "
-           "gradients fit, as designed" if warmup else "")
+    later = sum(s["kind"] == "backoff" for s in run.skips)
+    recovered = f" ({later} of them later backoffs the scaler recovered from at the next step)" if later else ""
+    why = (f"; {warmup} warm-up skip(s){recovered}: the dynamic loss scale backed off from {run.skips[0]['scale']} "
+           "until the gradients fit, as designed" if warmup else "")
     return _finish(report, HEALTHY, f"no op-list change needed: no skipped step after warm-up and a finite "
                    f"final loss{why}")
 

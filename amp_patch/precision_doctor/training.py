@@ -13,6 +13,12 @@ from ..experiment.runner import Config, _batches
 from ..scaling import scale_loss
 
 
+# "warmup": history()'s consecutive backoffs from the initial scale before the first applied step; "backoff": a
+# skip for non-finite gradients alone (finite loss, no forward overflow) right after which the scaler applied a
+# step at the halved scale, which is the dynamic scaler's documented rhythm (grow, overflow once, back off).
+_SCALE_FINDING = frozenset(("warmup", "backoff"))
+
+
 @dataclasses.dataclass
 class Failure:
     """The first failing step: its history record and what is needed to replay it."""
@@ -40,11 +46,12 @@ class Run:
 
     @property
     def warmup_skips(self):
-        return [s for s in self.skips if s["kind"] == "warmup"]
+        """The scaler finding its scale: backoffs before the first applied step, and later ones it recovered from."""
+        return [s for s in self.skips if s["kind"] in _SCALE_FINDING]
 
     @property
     def bad_skips(self):
-        return [s for s in self.skips if s["kind"] != "warmup"]
+        return [s for s in self.skips if s["kind"] not in _SCALE_FINDING]
 
     @property
     def healthy(self):
@@ -109,6 +116,7 @@ def _record(run, step, loss, model, batch):
     records = frontend.history()
     record = records[-1] if records else None
     if record is None or not record["skipped"]:
+        _recovered(run, step)
         return
     run.skips.append({"step": step, "kind": record["cause_kind"], "cause": record["cause"],
                       "scale": record["scale_before"]})
@@ -117,3 +125,13 @@ def _record(run, step, loss, model, batch):
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         run.failure = Failure(step, record["cause_kind"], record["cause"], state,
                               [t.clone() if torch.is_tensor(t) else t for t in batch])
+
+
+def _recovered(run, step):
+    """Step ``step`` applied: a gradient-only skip just before it was the scaler backing off, not a fault."""
+    last = run.skips[-1] if run.skips else None
+    if last is None or last["step"] != step - 1 or last["kind"] != "grads":
+        return
+    last["kind"] = "backoff"
+    if run.failure is not None and run.failure.step == step - 1:
+        run.failure = None

@@ -117,6 +117,12 @@ class CastingEngine:
     def clear_cache(self):
         self.cache.clear()
 
+    def begin_forward(self):
+        """A forward of a session's model starts: end a step pause, drop the casts of the last forward (a weight
+        may have changed through ``.data`` since, which nothing can detect: see ``CastCache``)."""
+        self.resume_after_step()
+        self.cache.entries.clear()
+
     def pause_for_step(self):
         """Optimizer math runs on fp32 params/grads: no wrapper has anything to cast there, so skip them for
         the step (the in-place ops of an optimizer step are most of O1's per-step wrapper calls)."""

@@ -80,6 +80,8 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
                              "initialize with half_dtype=" + str(self.explicit_dtype))
         if engine is not None and not self.enabled:
             stack.enter_context(engine.casts_disabled())
+        elif engine is not None:
+            stack.callback(engine.clear_cache)  # torch.autocast drops its cache as a region exits: so does this
         elif engine is None and self.enabled:
             stack.callback(self._open_region())
         self._frames().append(stack)

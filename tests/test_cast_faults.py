@@ -1,0 +1,162 @@
+"""Casting-side fault classes of issue 20: a cast cache that cannot go stale or grow, out=, checkpoint
+recompute, per-thread bookkeeping, wrappers as pass-throughs once their session ends."""
+import copy
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import amp_patch
+from tests_support import CountCasts
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+
+@pytest.fixture
+def o1():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    yield model, opt
+    amp_patch.deinitialize()
+
+
+def _native(model, x):
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(x)
+
+
+# -- item 1: the cast cache never serves a weight changed through .data ------------------------------------------
+def _assign(p, w):
+    p.data = w.clone()
+
+
+def _copy(p, w):
+    p.data.copy_(w)
+
+
+WRITES = {"data=": _assign, "data.copy_": _copy}
+
+
+@pytest.mark.parametrize("write", sorted(WRITES))
+def test_data_writes_between_no_grad_evaluations_are_seen(o1, write):
+    model, _ = o1
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        model(x)  # caches the half weights (they require grad: grad mode need not be on to cache)
+    new = [torch.randn_like(p) for p in model.parameters()]
+    for p, w in zip(model.parameters(), new):
+        WRITES[write](p, w)
+    with torch.no_grad():
+        got = model(x)
+    amp_patch.deinitialize()
+    try:
+        assert torch.equal(got, _native(model, x)), "a weight changed through .data was served from the cache"
+    finally:
+        amp_patch.initialize(model, o1[1], opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+
+
+def test_vector_to_parameters_between_evaluations_is_seen(o1):
+    model, _ = o1
+    x = torch.randn(3, 4)
+    vec = torch.nn.utils.parameters_to_vector(model.parameters())
+    with torch.no_grad():
+        first = model(x)
+        torch.nn.utils.vector_to_parameters(vec * 2, model.parameters())  # a model soup / line-search step
+        second = model(x)
+    assert not torch.equal(first, second)
+    amp_patch.deinitialize()
+    try:
+        assert torch.equal(second, _native(model, x))
+    finally:
+        amp_patch.initialize(model, o1[1], opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+
+
+def test_data_write_seen_by_a_functional_autocast_region(o1):
+    """No module forward: an amp_patch.autocast() region inside the session drops the cache on exit, as
+    torch.autocast drops its own when the outermost region exits."""
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        with amp_patch.autocast():
+            F.linear(x, w)
+        w.data.copy_(torch.randn(4, 4))
+        with amp_patch.autocast():
+            got = F.linear(x, w)
+    assert torch.equal(got, F.linear(x.bfloat16(), w.detach().bfloat16()))
+
+
+# -- item 2: a loop that never calls scale_loss keeps the cache flat ---------------------------------------------
+def test_adversarial_loop_without_scale_loss_keeps_the_cache_flat(o1):
+    model, _ = o1
+    engine = amp_patch._state.active_engine()
+    x = torch.randn(3, 4)
+    sizes = []
+    for _ in range(6):  # an FGSM-style attack: a fresh leaf input that requires grad each iteration
+        x = x.detach().requires_grad_()
+        loss = model(x).float().sum()
+        (grad,) = torch.autograd.grad(loss, x)
+        x = x + 0.01 * grad.sign()
+        sizes.append(len(engine.cache))
+    assert len(set(sizes)) == 1 and sizes[0] <= 4, sizes
+
+
+def test_functional_loop_without_modules_keeps_the_cache_flat(o1):
+    engine = amp_patch._state.active_engine()
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    sizes = []
+    for _ in range(5):
+        x = torch.randn(2, 4, requires_grad=True)  # an input leaf: never worth keeping past its call
+        F.linear(x, w).float().sum().backward()
+        sizes.append(len(engine.cache))
+    assert sizes == [1] * 5, sizes
+
+
+# -- item 3: out= is honoured exactly as torch.autocast honours it (its out= overloads are not autocast ops) --------
+def _out_cases():
+    a, b, bb = torch.randn(3, 3), torch.randn(3, 3), torch.randn(2, 3, 3)
+    return {
+        "mm": (lambda o: torch.mm(a, b, out=o), (3, 3)),
+        "matmul": (lambda o: torch.matmul(a, b, out=o), (3, 3)),
+        "bmm": (lambda o: torch.bmm(bb, bb, out=o), (2, 3, 3)),
+        "addmm": (lambda o: torch.addmm(a, a, b, out=o), (3, 3)),
+        "add": (lambda o: torch.add(a, b.bfloat16(), out=o), (3, 3)),
+        "exp": (lambda o: torch.exp(a.bfloat16(), out=o), (3, 3)),
+        "sum": (lambda o: torch.sum(a, 0, keepdim=True, out=o), (1, 3)),
+        "cat": (lambda o: torch.cat([a, b.bfloat16()], out=o), (6, 3)),
+        "softmax": (lambda o: torch.log_softmax(a.bfloat16(), 0, out=o), (3, 3)),
+    }
+
+
+def _run_out(call, shape, out_dtype, native):
+    out = torch.zeros(shape, dtype=out_dtype)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if native else amp_patch.autocast()
+    try:
+        with ctx:
+            returned = call(out)
+    except RuntimeError as exc:
+        return "raised", type(exc), str(exc)
+    return returned is out, out
+
+
+@pytest.mark.parametrize("op_lists", ["apex", "torch_cpu"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32_out", "bf16_out"])
+def test_out_arguments_match_native_autocast(op_lists, out_dtype):
+    cases = _out_cases()
+    theirs = {name: _run_out(call, shape, out_dtype, native=True) for name, (call, shape) in cases.items()}
+    amp_patch.initialize(_net(), opt_level="O1", half_dtype=torch.bfloat16, op_lists=op_lists, verbosity=0)
+    try:
+        ours = {name: _run_out(call, shape, out_dtype, native=False) for name, (call, shape) in cases.items()}
+    finally:
+        amp_patch.deinitialize()
+    for name in cases:
+        assert ours[name][0] == theirs[name][0], (name, ours[name], theirs[name])  # written into out / raised
+        if ours[name][0] == "raised":
+            assert ours[name][1] is theirs[name][1], name
+        else:
+            assert ours[name][1].dtype is theirs[name][1].dtype, name
+            assert torch.equal(ours[name][1], theirs[name][1]), (name, ours[name], theirs[name])

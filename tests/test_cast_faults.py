@@ -160,3 +160,46 @@ def test_out_arguments_match_native_autocast(op_lists, out_dtype):
         else:
             assert ours[name][1].dtype is theirs[name][1].dtype, name
             assert torch.equal(ours[name][1], theirs[name][1]), (name, ours[name], theirs[name])
+
+
+# -- item 4: checkpoint recomputes under the casting state its forward had ----------------------------------------
+class Checkpointed(torch.nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+        self.head = torch.nn.Linear(4, 2)
+        self.mode = mode
+
+    def forward(self, x):
+        if self.mode is None:
+            h = self.inner(x)
+        else:
+            h = torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.mode == "reentrant")
+        return self.head(h)
+
+
+def _checkpoint_grads(mode, disabled_segment=False, disabled_backward=False):
+    model = Checkpointed(mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    try:
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        with amp_patch.autocast(enabled=not disabled_segment):
+            out = model(x)
+        with amp_patch.scale_loss(out.float().pow(2).sum(), opt) as scaled:
+            with amp_patch.autocast(enabled=not disabled_backward):  # recompute must not see this
+                scaled.backward()
+        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    finally:
+        amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("forward_off,backward_off", [(False, False), (True, False), (False, True)],
+                         ids=["casting_on", "forward_in_autocast_off", "backward_in_autocast_off"])
+def test_checkpoint_recomputes_under_the_forward_casting_state(mode, forward_off, backward_off):
+    plain = _checkpoint_grads(None, forward_off, backward_off)
+    checkpointed = _checkpoint_grads(mode, forward_off, backward_off)
+    for a, b in zip(plain, checkpointed):
+        assert a.dtype is b.dtype and torch.equal(a, b)

@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from . import dynamo_tables
+from . import dynamo_tables, recompute
 from .resolve import resolve_target
 from .wrappers import CastCache, DisabledThreads, make_to_half, make_wrapper
 from .patcher import Patcher
@@ -58,6 +58,7 @@ class CastingEngine:
                     self._install_one(owner, entry, (entry.target, entry.name) in scoped)
             for reg in self.registrations:
                 self._install_one(reg.owner, reg.entry)
+            recompute.install(self, self.patcher)
         except BaseException:
             self.patcher.restore_all()
             raise

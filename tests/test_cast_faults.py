@@ -203,3 +203,52 @@ def test_checkpoint_recomputes_under_the_forward_casting_state(mode, forward_off
     checkpointed = _checkpoint_grads(mode, forward_off, backward_off)
     for a, b in zip(plain, checkpointed):
         assert a.dtype is b.dtype and torch.equal(a, b)
+
+
+# -- item 7: wrappers outliving their session pass through; forked children never cast ------------------------------
+def test_a_captured_wrapper_passes_through_after_deinitialize():
+    amp_patch.initialize(_net(), opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    captured_mm, captured_linear = torch.mm, F.linear  # e.g. a library binding them at its import
+    a, w = torch.randn(2, 4), torch.randn(3, 4)
+    assert captured_mm(a, a.t()).dtype is torch.bfloat16
+    amp_patch.deinitialize()
+    assert captured_mm is not torch.mm
+    assert captured_mm(a, a.t()).dtype is torch.float32 and torch.equal(captured_mm(a, a.t()), torch.mm(a, a.t()))
+    assert torch.equal(captured_linear(a, w), F.linear(a, w))
+
+
+def test_a_patch_on_top_of_ours_passes_through_after_deinitialize():
+    amp_patch.initialize(_net(), opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    ours = torch.mm
+    torch.mm = lambda *args, **kwargs: ours(*args, **kwargs)  # another library wraps the patched function
+    try:
+        amp_patch.deinitialize()  # (it leaves torch.mm as the other library set it, with a warning)
+        a = torch.randn(2, 2)
+        assert torch.mm(a, a).dtype is torch.float32
+    finally:
+        torch.mm = ours.__wrapped__
+
+
+class _Probe(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        a = torch.ones(2, 2)
+        return str(torch.mm(a, a).dtype) + " " + str(F.linear(a, a).dtype)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs the fork start method")
+def test_forked_dataloader_workers_never_cast():
+    loader = torch.utils.data.DataLoader(_Probe(), batch_size=None, num_workers=1, multiprocessing_context="fork",
+                                         persistent_workers=True)
+    amp_patch.initialize(_net(), opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    try:
+        during = list(loader)  # the persistent worker is forked here, inside the session
+        main = torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype
+    finally:
+        amp_patch.deinitialize()
+    after = list(loader)  # the same worker process, after the parent's deinitialize
+    del loader
+    assert main is torch.bfloat16
+    assert during == after == ["torch.float32 torch.float32"] * 2

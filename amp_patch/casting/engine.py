@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from . import dynamo_tables, recompute
+from . import dynamo_tables, forked, recompute
 from .resolve import resolve_target
 from .wrappers import CastCache, DisabledThreads, make_to_half, make_wrapper
 from .patcher import Patcher
@@ -47,6 +47,7 @@ class CastingEngine:
         they contain no tracing code at all, so tracing off costs nothing.
         """
         self.tracer = tracer
+        forked.watch(self)
         self._dynamo_table = dynamo_tables.build_before_patching()
         registered = {(id(reg.owner), reg.entry.name) for reg in self.registrations}
         owners = {}
@@ -114,6 +115,8 @@ class CastingEngine:
         self.patcher.restore_all()
         dynamo_tables.forget_after_unpatching(self._dynamo_table)
         self.cache.clear()
+        self.disabled.close()  # wrappers captured or re-patched over by others pass through from now on
+        self._paused.clear()
 
     def clear_cache(self):
         self.cache.clear()

@@ -48,6 +48,32 @@ class DisabledThreads(dict):
     def here(self):
         return threading.get_ident() in self
 
+    def close(self):
+        """The engine is gone (session ended, or this is a forked child): every wrapper of it that someone still
+        holds (``f = torch.mm`` taken during the session, a library's patch on top of ours) passes through. The
+        wrappers' test ``disabled and ident in disabled`` is then true for every thread; open regions' exits are
+        no-ops."""
+        self.clear()
+        self[None] = 1
+        self.__class__ = _ClosedThreads
+
+
+class _ClosedThreads(DisabledThreads):
+    """A closed switch: casting off in every thread, for good (kept out of the live class: no Python-level
+    ``__contains__`` on the hot path)."""
+
+    def __contains__(self, ident):
+        return True
+
+    def enter(self):
+        pass
+
+    def exit(self):
+        pass
+
+    def close(self):
+        pass
+
 
 _get_ident = threading.get_ident
 

@@ -2,6 +2,7 @@
 recompute, per-thread bookkeeping, wrappers as pass-throughs once their session ends."""
 import copy
 import gc
+import threading
 
 import pytest
 import torch
@@ -252,3 +253,62 @@ def test_forked_dataloader_workers_never_cast():
     del loader
     assert main is torch.bfloat16
     assert during == after == ["torch.float32 torch.float32"] * 2
+
+
+# -- item 6: threads that share nothing do not see each other's scale_loss --------------------------------------------
+def _train_copies(threaded, steps=3, n=4):
+    base = _net()
+    models = [copy.deepcopy(base) for _ in range(n)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    models, opts = amp_patch.initialize(models, opts, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    data = [(torch.randn(3, 4, generator=torch.Generator().manual_seed(k)), torch.randn(3, 2)) for k in range(n)]
+    errors = []
+
+    def train(k):
+        try:
+            for _ in range(steps):
+                opts[k].zero_grad()
+                loss = F.mse_loss(models[k](data[k][0]).float(), data[k][1])
+                with amp_patch.scale_loss(loss, opts[k]) as scaled:
+                    scaled.backward()
+                opts[k].step()
+        except Exception as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+
+    try:
+        if threaded:
+            barrier = threading.Barrier(n)
+            threads = [threading.Thread(target=lambda k=k: (barrier.wait(30), train(k))) for k in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        else:
+            for k in range(n):
+                train(k)
+    finally:
+        amp_patch.deinitialize()
+    assert not errors, errors
+    return [[p.detach().clone() for p in m.parameters()] for m in models]
+
+
+def test_threads_training_their_own_copies_match_a_single_thread_bitwise():
+    single = _train_copies(threaded=False)
+    threaded = _train_copies(threaded=True)
+    for a, b in zip(single, threaded):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_the_single_thread_foreign_grads_check_still_holds():
+    models = [_net(), _net()]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    models, opts = amp_patch.initialize(models, opts, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    try:
+        x = torch.randn(3, 4)
+        loss = (models[0](x).float() + models[1](x).float()).sum()
+        with amp_patch.scale_loss(loss, opts[0]) as scaled:  # its backward also writes models[1]'s grads
+            scaled.backward()
+        with pytest.raises(amp_patch.UsageError, match="which did not name it"):
+            opts[1].step()
+    finally:
+        amp_patch.deinitialize()

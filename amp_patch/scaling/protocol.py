@@ -1,5 +1,6 @@
 """scale_loss: the per-iteration protocol between backward, the scalers and the optimizers."""
 import contextlib
+import threading
 import warnings
 
 import torch
@@ -127,15 +128,17 @@ def _note_grads_written(session, states, others, loss_id):
     Inside an enclosing open block, remember what this block left in its own optimizers: that is not foreign."""
     for state, snapshot in others:
         state.note_foreign(snapshot, loss_id)
-    if any(state.in_scale_loss for state in session.opt_states.values()):
+    ident = threading.get_ident()
+    if any(state.in_scale_loss and state.used_by(ident) for state in session.opt_states.values()):
         for state in states:
             state.own_exit = state.grad_snapshot()
 
 
 def _foreign_snapshots(session, states):
     """Optimizers of the session not passed to this scale_loss: what their grads are before this backward."""
-    passed = {id(state) for state in states}
-    return [(state, state.grad_snapshot()) for state in session.opt_states.values() if id(state) not in passed]
+    passed, ident = {id(state) for state in states}, threading.get_ident()
+    return [(state, state.grad_snapshot()) for state in session.opt_states.values()
+            if id(state) not in passed and state.used_by(ident)]
 
 
 class _BackwardProbe:

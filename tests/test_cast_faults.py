@@ -312,3 +312,38 @@ def test_the_single_thread_foreign_grads_check_still_holds():
             opts[1].step()
     finally:
         amp_patch.deinitialize()
+
+
+def test_a_backward_in_another_thread_inside_an_open_scale_loss_is_not_foreign():
+    """The interleaving that made the threads' step() raise, forced: A's block is open while B's backward runs,
+    and A exits before B does."""
+    models = [_net(), _net()]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    models, opts = amp_patch.initialize(models, opts, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    a_open, b_backward_done, a_closed = threading.Event(), threading.Event(), threading.Event()
+    errors = []
+
+    def step(k, before_backward, after_backward, after_block):
+        try:
+            loss = models[k](torch.randn(3, 4)).float().sum()
+            with amp_patch.scale_loss(loss, opts[k]) as scaled:
+                before_backward()
+                scaled.backward()
+                after_backward()
+            after_block()
+            opts[k].step()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    a = threading.Thread(target=step, args=(0, lambda: (a_open.set(), b_backward_done.wait(30)), lambda: None,
+                                            a_closed.set))
+    b = threading.Thread(target=step, args=(1, a_open.wait, lambda: (b_backward_done.set(), a_closed.wait(30)),
+                                            lambda: None))
+    try:
+        a.start()
+        b.start()
+        a.join(60)
+        b.join(60)
+    finally:
+        amp_patch.deinitialize()
+    assert not errors, errors

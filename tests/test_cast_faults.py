@@ -347,3 +347,33 @@ def test_a_backward_in_another_thread_inside_an_open_scale_loss_is_not_foreign()
     finally:
         amp_patch.deinitialize()
     assert not errors, errors
+
+
+# -- item 5: op-list aliases ----------------------------------------------------------------------------------------
+ALIAS_LISTS = {
+    "conv2d_aliases": ("half:\n  torch: [conv2d]\nfloat:\n  torch.nn.functional: [conv2d]\n",
+                       r":4: torch\.nn\.functional\.conv2d \(float\) and torch\.conv2d \(half, .*:2\) are one "
+                       r"function"),
+    "vf_two_names": ("half:\n  torch._VF: [lstm]\nfloat:\n  torch.nn.modules.rnn._VF: [lstm]\n",
+                     r":4: .*are one attribute: torch\.nn\.modules\.rnn\._VF and torch\._VF are one module"),
+    "vf_same_category": ("half:\n  torch._VF: [lstm]\n  torch.nn.modules.rnn._VF: [lstm]\n",
+                         r":3: .*torch\.nn\.modules\.rnn\._VF and torch\._VF are one module"),
+    "alias_added_later": ("extends: apex\nadd:\n  float:\n    torch.nn.functional: [conv2d]\n",
+                          r":4: torch\.nn\.functional\.conv2d \(float\) and torch\.conv2d \(half, .*apex\.yaml"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ALIAS_LISTS))
+def test_aliases_with_conflicting_entries_are_refused(tmp_path, case):
+    text, pattern = ALIAS_LISTS[case]
+    path = tmp_path / f"{case}.yaml"
+    path.write_text(text)
+    with pytest.raises(amp_patch.OpListError, match=pattern) as info:
+        amp_patch.casting.oplist.load_op_lists(str(path))
+    assert str(info.value).startswith(str(path) + ":")
+
+
+def test_aliases_with_one_category_load(tmp_path):
+    path = tmp_path / "same.yaml"
+    path.write_text("half:\n  torch: [conv2d]\n  torch.nn.functional: [conv2d]\n")
+    assert len(amp_patch.casting.oplist.load_op_lists(str(path))) == 2

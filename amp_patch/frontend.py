@@ -17,7 +17,7 @@ from .casting.patcher import Patcher
 from .casting.registry import REGISTRY
 from .diagnostics import OverflowDiagnoser, StepHistory
 from .scaling.scaler import LossScaler, load_state_dict_into, state_dict_for
-from .scaling.protocol import current_session as _session
+from .scaling.protocol import check_idle_elsewhere, current_session as _session
 from .session import Session
 from .tracing import Tracer
 
@@ -318,6 +318,7 @@ def deinitialize():
     session = _state.current()
     if session is None:
         return  # an open autocast() region (no session) keeps its engine: it removes its own patches on exit
+    check_idle_elsewhere(session)
     _state.deactivate()
     session.close()
 

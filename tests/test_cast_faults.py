@@ -377,3 +377,49 @@ def test_aliases_with_one_category_load(tmp_path):
     path = tmp_path / "same.yaml"
     path.write_text("half:\n  torch: [conv2d]\n  torch.nn.functional: [conv2d]\n")
     assert len(amp_patch.casting.oplist.load_op_lists(str(path))) == 2
+
+
+class _WaitingSGD(torch.optim.SGD):
+    def __init__(self, params, entered, release):
+        super().__init__(params, lr=0.1)
+        self.entered, self.release = entered, release
+
+    def step(self, closure=None):
+        self.entered.set()
+        self.release.wait(30)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("where", ["scale_loss", "step"])
+def test_deinitialize_refuses_while_another_thread_is_mid_step(where):
+    entered, release = threading.Event(), threading.Event()
+    model = _net()
+    opt = _WaitingSGD(model.parameters(), entered, release) if where == "step" else torch.optim.SGD(
+        model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    errors = []
+
+    def train():
+        try:
+            loss = model(torch.randn(3, 4)).float().sum()
+            with amp_patch.scale_loss(loss, opt) as scaled:
+                if where == "scale_loss":
+                    entered.set()
+                    release.wait(30)
+                scaled.backward()
+            opt.step()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    worker = threading.Thread(target=train, name="trainer")
+    worker.start()
+    try:
+        assert entered.wait(30)
+        with pytest.raises(amp_patch.UsageError, match="while thread 'trainer' is inside"):
+            amp_patch.deinitialize()
+    finally:
+        release.set()
+        worker.join(60)
+        amp_patch.deinitialize()
+    assert not errors, errors
+    assert amp_patch._state.current() is None

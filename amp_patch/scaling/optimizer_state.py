@@ -52,6 +52,7 @@ class OptimizerState:
         self.foreign = None  # (loss_id, {id(param): (weakref, version)}): grads another loss's block left scaled
         self.own_exit = None  # grad_snapshot() when the last scale_loss naming this optimizer inside another exited
         self.threads = set()  # idents of the threads that ran scale_loss / step / zero_grad on it (see used_by)
+        self.busy = {}  # thread ident -> "scale_loss" / "optimizer.step()" while one is open there (deinitialize)
         self._known_groups = 0
         self._sync_groups(fp32_data or {})
         self._handles = [optimizer.register_step_pre_hook(self._pre_step),
@@ -218,6 +219,7 @@ class OptimizerState:
         made for a step that never completed (``step()`` raised, or was never called) are rolled back, except
         backoffs after an overflow."""
         self.claim()
+        self.busy.pop(threading.get_ident(), None)  # (a step() that raised never ran its post-hook)
         for scaler, memento in self.undo_updates.items():
             if memento is not None:
                 scaler.roll_back(memento)
@@ -239,6 +241,7 @@ class OptimizerState:
     def _pre_step(self, optimizer, args, kwargs):
         self._sync_groups()
         self.claim()
+        self.busy[threading.get_ident()] = "optimizer.step()"
         self.check_foreign("optimizer.step()")
         self._check_backward_outside()
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
@@ -261,6 +264,7 @@ class OptimizerState:
                 model_p.grad = None
 
     def _post_step(self, optimizer, args, kwargs):
+        self.busy.pop(threading.get_ident(), None)
         self.undo_updates.clear()
         if self.engine is not None:
             self.engine.resume_after_step()

@@ -108,8 +108,26 @@ def _begin(session, loss, optimizers, loss_id, model, delay_unscale):
 
 
 def _mark_open(states, is_open):
+    ident = threading.get_ident()
     for state in states:
         state.in_scale_loss = is_open
+        if is_open:
+            state.busy[ident] = "a scale_loss block"
+        else:
+            state.busy.pop(ident, None)
+
+
+def check_idle_elsewhere(session):
+    """deinitialize() removes process-wide patches: refuse while another live thread is inside a scale_loss block
+    or an optimizer step of this session (its backward or update would finish half under amp_patch, half not)."""
+    here, alive = threading.get_ident(), {t.ident: t for t in threading.enumerate()}
+    for state in session.opt_states.values():
+        for ident, what in list(state.busy.items()):
+            if ident != here and ident in alive:
+                raise UsageError(f"amp_patch.deinitialize() from thread {threading.current_thread().name!r} while "
+                                 f"thread {alive[ident].name!r} is inside {what} of this session; the patches "
+                                 "are process-wide, so that step would finish half under amp_patch and half not. "
+                                 "Stop the training threads (join them) first, then deinitialize()")
 
 
 def _end(session, scaler, loss_id, states, delay_unscale, loss):

@@ -268,9 +268,11 @@ def _guard_step_pause(session, models):
     deinitialize). Forwards of the models and scale_loss resume too."""
     if session.engine is None:
         return
-    resume, begin_forward = session.engine.resume_after_step, session.engine.begin_forward
+    resume, begin_forward, end_forward = (session.engine.resume_after_step, session.engine.begin_forward,
+                                          session.engine.end_forward)
     for model in models:  # (begin_forward also drops the cast cache: see casting.wrappers.CastCache)
         session.undo.append(module_compat.forward_pre_hook(model, lambda module, args: begin_forward()).remove)
+        session.undo.append(module_compat.forward_hook(model, lambda m, a, out: end_forward()).remove)
     patcher = Patcher()
     session.undo.append(patcher.restore_all)
 

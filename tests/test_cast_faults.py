@@ -390,10 +390,22 @@ class _WaitingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-@pytest.mark.parametrize("where", ["scale_loss", "step"])
+class _WaitingNet(torch.nn.Module):
+    def __init__(self, entered, release):
+        super().__init__()
+        self.net, self.entered, self.release = _net(), entered, release
+
+    def forward(self, x):
+        h = self.net[0](x)
+        self.entered.set()
+        self.release.wait(30)
+        return self.net[2](self.net[1](h))  # deinitialize here would mix half h with fp32 weights: raw errors
+
+
+@pytest.mark.parametrize("where", ["forward", "scale_loss", "step"])
 def test_deinitialize_refuses_while_another_thread_is_mid_step(where):
     entered, release = threading.Event(), threading.Event()
-    model = _net()
+    model = _WaitingNet(entered, release) if where == "forward" else _net()
     opt = _WaitingSGD(model.parameters(), entered, release) if where == "step" else torch.optim.SGD(
         model.parameters(), lr=0.1)
     model, opt = amp_patch.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)

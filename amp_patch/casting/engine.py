@@ -34,6 +34,7 @@ class CastingEngine:
         self.tracer = None
         self._dynamo_table = None  # dynamo's table as built before patching (see dynamo_tables)
         self._paused = set()  # threads inside an optimizer step
+        self.forwards = {}  # thread ident -> depth of session-model forwards open there (deinitialize checks it)
         self.scopes = ScopeRuntime(table.scopes) if getattr(table, "scopes", ()) else None
 
     @property
@@ -126,6 +127,21 @@ class CastingEngine:
         may have changed through ``.data`` since, which nothing can detect: see ``CastCache``)."""
         self.resume_after_step()
         self.cache.entries.clear()
+        ident = threading.get_ident()
+        self.forwards[ident] = self.forwards.get(ident, 0) + 1
+
+    def end_forward(self):
+        """A forward of a session's model returned (one that raised is forgotten at the thread's next
+        scale_loss: ``forget_forwards``)."""
+        ident = threading.get_ident()
+        depth = self.forwards.get(ident, 0) - 1
+        if depth > 0:
+            self.forwards[ident] = depth
+        else:
+            self.forwards.pop(ident, None)
+
+    def forget_forwards(self):
+        self.forwards.pop(threading.get_ident(), None)
 
     def pause_for_step(self):
         """Optimizer math runs on fp32 params/grads: no wrapper has anything to cast there, so skip them for

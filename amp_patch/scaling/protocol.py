@@ -94,6 +94,7 @@ def _begin(session, loss, optimizers, loss_id, model, delay_unscale):
     _check_not_nested(states)
     if session.engine is not None:
         session.engine.resume_after_step()
+        session.engine.forget_forwards()  # the loss's forward is over (one that raised left its mark)
     if session.no_sync_depth and any(state.pairs for state in states):
         delay_unscale = True  # inside DDP no_sync(): master grads must wait for the synced backward's reduction
     if model is not None and any(state.pairs for state in states):
@@ -118,11 +119,15 @@ def _mark_open(states, is_open):
 
 
 def check_idle_elsewhere(session):
-    """deinitialize() removes process-wide patches: refuse while another live thread is inside a scale_loss block
-    or an optimizer step of this session (its backward or update would finish half under amp_patch, half not)."""
+    """deinitialize() removes process-wide patches: refuse while another live thread is inside a forward of a
+    session model (O1), a scale_loss block or an optimizer step of this session (it would finish half under
+    amp_patch and half not: raw dtype errors). A thread that starts one just after this check is not stopped."""
     here, alive = threading.get_ident(), {t.ident: t for t in threading.enumerate()}
-    for state in session.opt_states.values():
-        for ident, what in list(state.busy.items()):
+    busy = [state.busy for state in session.opt_states.values()]
+    if session.engine is not None:
+        busy.append(dict.fromkeys(list(session.engine.forwards), "a forward of a model"))
+    for found in busy:
+        for ident, what in list(found.items()):
             if ident != here and ident in alive:
                 raise UsageError(f"amp_patch.deinitialize() from thread {threading.current_thread().name!r} while "
                                  f"thread {alive[ident].name!r} is inside {what} of this session; the patches "

@@ -1,7 +1,6 @@
 """Casting-side fault classes of issue 20: a cast cache that cannot go stale or grow, out=, checkpoint
 recompute, per-thread bookkeeping, wrappers as pass-throughs once their session ends."""
 import copy
-import gc
 import threading
 
 import pytest

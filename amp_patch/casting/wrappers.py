@@ -13,6 +13,7 @@ import threading
 import torch
 
 from ..errors import BannedOpError, CastError
+from .switch import DisabledThreads  # noqa: F401 - the engine's per-thread switch (re-exported)
 
 Tensor = torch.Tensor
 Parameter = torch.nn.Parameter
@@ -23,56 +24,6 @@ _TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _PLAIN_TYPES = frozenset((int, float, bool, complex, str, bytes, type(None), slice, type(Ellipsis), torch.dtype,
                           torch.device, torch.Size, torch.layout, torch.memory_format))
 _promote_types = torch.promote_types
-
-
-class DisabledThreads(dict):
-    """Thread ident -> depth of ``disable_casts()`` regions open in that thread.
-
-    Wrappers test ``if disabled and get_ident() in disabled``: while no region is
-    open anywhere that is one truth test of an empty dict (cheaper than a
-    ``threading.local`` attribute read on every call).
-    """
-
-    def enter(self):
-        ident = threading.get_ident()
-        self[ident] = self.get(ident, 0) + 1
-
-    def exit(self):
-        ident = threading.get_ident()
-        depth = self[ident] - 1
-        if depth:
-            self[ident] = depth
-        else:
-            del self[ident]
-
-    def here(self):
-        return threading.get_ident() in self
-
-    def close(self):
-        """The engine is gone (session ended, or this is a forked child): every wrapper of it that someone still
-        holds (``f = torch.mm`` taken during the session, a library's patch on top of ours) passes through. The
-        wrappers' test ``disabled and ident in disabled`` is then true for every thread; open regions' exits are
-        no-ops."""
-        self.clear()
-        self[None] = 1
-        self.__class__ = _ClosedThreads
-
-
-class _ClosedThreads(DisabledThreads):
-    """A closed switch: casting off in every thread, for good (kept out of the live class: no Python-level
-    ``__contains__`` on the hot path)."""
-
-    def __contains__(self, ident):
-        return True
-
-    def enter(self):
-        pass
-
-    def exit(self):
-        pass
-
-    def close(self):
-        pass
 
 
 _get_ident = threading.get_ident

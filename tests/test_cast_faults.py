@@ -434,3 +434,22 @@ def test_deinitialize_refuses_while_another_thread_is_mid_step(where):
         amp_patch.deinitialize()
     assert not errors, errors
     assert amp_patch._state.current() is None
+
+
+def _region_grads(mode):
+    model = Checkpointed(mode)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    with amp_patch.autocast("cpu"):
+        out = model(x)
+    out.float().pow(2).sum().backward()  # outside the region, as with torch.autocast
+    return out, [p.grad for p in model.parameters()] + [x.grad]
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_checkpoint_backward_after_the_region_exits(mode):
+    plain_out, plain = _region_grads(None)
+    out, checkpointed = _region_grads(mode)
+    assert out.dtype is plain_out.dtype is torch.bfloat16
+    for a, b in zip(plain, checkpointed):
+        assert a.dtype is b.dtype and torch.equal(a, b)
+    assert amp_patch._state.active_engine() is None

@@ -14,6 +14,8 @@ import threading
 
 import torch.utils.checkpoint as _ckpt
 
+from .. import _state
+
 log = logging.getLogger("amp_patch")
 
 
@@ -35,13 +37,27 @@ def install(engine, patcher):
 
 
 def _pinned(engine, function):
-    """``function`` run with this thread's casting state as it is now (the checkpointed forward's)."""
+    """``function`` run with this thread's casting state as it is now (the checkpointed forward's).
+
+    The backward may run after the engine's region or session ended (``with amp_patch.autocast(): out =
+    model(x)``, then ``out.sum().backward()``, as with torch.autocast): then the recomputation runs under
+    whatever engine is active now, or, with none, under a temporary region with the forward's op table.
+    """
     depth = engine.disabled.get(threading.get_ident(), 0)
 
     def run(*args, **kwargs):
-        if not engine.installed:  # the session ended before backward: nothing to pin
+        if engine.installed:
+            with _depth(engine.disabled, depth):
+                return function(*args, **kwargs)
+        live = _state.active_engine()
+        if live is not None:
+            with _depth(live.disabled, depth):
+                return function(*args, **kwargs)
+        if depth:  # the forward ran with casting off: so does its recomputation
             return function(*args, **kwargs)
-        with _depth(engine.disabled, depth):
+        from .regions import reopened  # (regions imports the engine, which imports this module)
+
+        with reopened(engine):
             return function(*args, **kwargs)
 
     return run

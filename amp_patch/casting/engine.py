@@ -17,6 +17,7 @@ from .patcher import Patcher
 from .scopes import ScopeRuntime, passthrough, unmatched_globs
 
 log = logging.getLogger("amp_patch")
+_compiling = torch.compiler.is_compiling
 
 
 class CastingEngine:
@@ -126,6 +127,8 @@ class CastingEngine:
         """A forward of a session's model starts: end a step pause, drop the casts of the last forward (a weight
         may have changed through ``.data`` since, which nothing can detect: see ``CastCache``)."""
         self.resume_after_step()
+        if _compiling():  # dynamo traces the hooks: no thread ident in the graph (a graph break), no cache there
+            return
         self.cache.entries.clear()
         ident = threading.get_ident()
         self.forwards[ident] = self.forwards.get(ident, 0) + 1
@@ -133,6 +136,8 @@ class CastingEngine:
     def end_forward(self):
         """A forward of a session's model returned (one that raised is forgotten at the thread's next
         scale_loss: ``forget_forwards``)."""
+        if _compiling():
+            return
         ident = threading.get_ident()
         depth = self.forwards.get(ident, 0) - 1
         if depth > 0:

@@ -51,9 +51,10 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         if not isinstance(enabled, bool):
             raise ConfigError(f"enabled={enabled!r}; pass True or False (as torch.autocast requires)")
         if cache_enabled is False:
-            raise ConfigError("cache_enabled=False is not supported: amp_patch keeps each weight's half cast until "
-                              "the iteration ends (scale_loss, amp_patch.clear_cache()) and drops it when the weight "
-                              "changes in place; drop cache_enabled, or call amp_patch.clear_cache() where needed")
+            raise ConfigError("cache_enabled=False is not supported: amp_patch keeps each weight's half cast only "
+                              "until the forward ends (each forward of a session's model, each autocast() exit, "
+                              "scale_loss) and drops it when the weight changes in place; drop cache_enabled, or "
+                              "call amp_patch.clear_cache() where needed")
         self.explicit_dtype = _pick_dtype(dtype, half_dtype)
         self.half_dtype = self.explicit_dtype or (torch.get_autocast_dtype(device_type) if device_type
                                                   else torch.float16)

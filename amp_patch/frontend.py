@@ -17,7 +17,7 @@ from .casting.patcher import Patcher
 from .casting.registry import REGISTRY
 from .diagnostics import OverflowDiagnoser, StepHistory
 from .scaling.scaler import LossScaler, load_state_dict_into, state_dict_for
-from .scaling.protocol import current_session as _session
+from .scaling.protocol import check_idle_elsewhere, current_session as _session
 from .session import Session
 from .tracing import Tracer
 
@@ -302,9 +302,11 @@ def _guard_step_pause(session, models):
     deinitialize). Forwards of the models and scale_loss resume too."""
     if session.engine is None:
         return
-    resume = session.engine.resume_after_step
-    for model in models:
-        session.undo.append(module_compat.forward_pre_hook(model, CallOnForward(resume)).remove)
+    resume, begin_forward, end_forward = (session.engine.resume_after_step, session.engine.begin_forward,
+                                          session.engine.end_forward)
+    for model in models:  # (begin_forward also drops the cast cache: see casting.wrappers.CastCache)
+        session.undo.append(module_compat.forward_pre_hook(model, CallOnForward(begin_forward)).remove)
+        session.undo.append(module_compat.forward_hook(model, CallOnForward(end_forward)).remove)
     patcher = Patcher()
     session.undo.append(patcher.restore_all)
 
@@ -360,6 +362,7 @@ def deinitialize():
     session = _state.current()
     if session is None:
         return  # an open autocast() region (no session) keeps its engine: it removes its own patches on exit
+    check_idle_elsewhere(session)
     _state.deactivate()
     try:
         session.close()

@@ -58,7 +58,7 @@ class _TracedContext:
             before = entries.get(id(t))
             out = base(t)
             row = tracer.current
-            if row is not None and t.dtype is torch.float32 and t.requires_grad and t.is_leaf:
+            if row is not None and t.dtype is torch.float32 and t.requires_grad and isinstance(t, torch.nn.Parameter):
                 if before is not None and before[3] is out:
                     row.cache_hits += 1
                 else:

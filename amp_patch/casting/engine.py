@@ -10,13 +10,14 @@ import threading
 
 import torch
 
-from . import dynamo_tables
+from . import dynamo_tables, forked, recompute
 from .resolve import resolve_target
 from .wrappers import CastCache, DisabledThreads, make_to_half, make_wrapper
 from .patcher import Patcher
 from .scopes import ScopeRuntime, passthrough, unmatched_globs
 
 log = logging.getLogger("amp_patch")
+_compiling = torch.compiler.is_compiling
 
 
 class CastingEngine:
@@ -34,6 +35,7 @@ class CastingEngine:
         self.tracer = None
         self._dynamo_table = None  # dynamo's table as built before patching (see dynamo_tables)
         self._paused = set()  # threads inside an optimizer step
+        self.forwards = {}  # thread ident -> depth of session-model forwards open there (deinitialize checks it)
         self.scopes = ScopeRuntime(table.scopes) if getattr(table, "scopes", ()) else None
 
     @property
@@ -47,6 +49,7 @@ class CastingEngine:
         they contain no tracing code at all, so tracing off costs nothing.
         """
         self.tracer = tracer
+        forked.watch(self)
         self._dynamo_table = dynamo_tables.build_before_patching()
         registered = {(id(reg.owner), reg.entry.name) for reg in self.registrations}
         owners = {}
@@ -58,6 +61,7 @@ class CastingEngine:
                     self._install_one(owner, entry, (entry.target, entry.name) in scoped)
             for reg in self.registrations:
                 self._install_one(reg.owner, reg.entry)
+            recompute.install(self, self.patcher)
         except BaseException:
             self.patcher.restore_all()
             raise
@@ -113,9 +117,36 @@ class CastingEngine:
         self.patcher.restore_all()
         dynamo_tables.forget_after_unpatching(self._dynamo_table)
         self.cache.clear()
+        self.disabled.close()  # wrappers captured or re-patched over by others pass through from now on
+        self._paused.clear()
 
     def clear_cache(self):
         self.cache.clear()
+
+    def begin_forward(self):
+        """A forward of a session's model starts: end a step pause, drop the casts of the last forward (a weight
+        may have changed through ``.data`` since, which nothing can detect: see ``CastCache``)."""
+        self.resume_after_step()
+        if _compiling():  # dynamo traces the hooks: no thread ident in the graph (a graph break), no cache there
+            return
+        self.cache.entries.clear()
+        ident = threading.get_ident()
+        self.forwards[ident] = self.forwards.get(ident, 0) + 1
+
+    def end_forward(self):
+        """A forward of a session's model returned (one that raised is forgotten at the thread's next
+        scale_loss: ``forget_forwards``)."""
+        if _compiling():
+            return
+        ident = threading.get_ident()
+        depth = self.forwards.get(ident, 0) - 1
+        if depth > 0:
+            self.forwards[ident] = depth
+        else:
+            self.forwards.pop(ident, None)
+
+    def forget_forwards(self):
+        self.forwards.pop(threading.get_ident(), None)
 
     def pause_for_step(self):
         """Optimizer math runs on fp32 params/grads: no wrapper has anything to cast there, so skip them for

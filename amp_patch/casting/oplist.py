@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from . import _yaml, scopes as _scopes
+from .aliases import check_aliases
 from .resolve import resolve_name, resolve_target
 from ..errors import ConfigError, OpListError
 
@@ -212,6 +213,7 @@ class _Document:
         if "add" in doc:
             self._apply_add(entries, doc["add"], doc.key_lines["add"])
         scopes = self._scopes(None if has_categories else base)
+        check_aliases(entries.values(), self.path)
         return OpTable(entries.values(), skipped + self.skipped, sources, scopes)
 
     def _scopes(self, base):

@@ -80,6 +80,8 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
                              "initialize with half_dtype=" + str(self.explicit_dtype))
         if engine is not None and not self.enabled:
             stack.enter_context(engine.casts_disabled())
+        elif engine is not None:
+            stack.callback(engine.clear_cache)  # torch.autocast drops its cache as a region exits: so does this
         elif engine is None and self.enabled:
             stack.callback(self._open_region())
         self._frames().append(stack)
@@ -131,3 +133,20 @@ def _pick_dtype(dtype, half_dtype):
         raise ConfigError(f"dtype={dtype} and half_dtype={half_dtype} disagree; they are the same setting (torch's "
                           "name and amp_patch's): pass one")
     return dtype if dtype is not None else half_dtype
+
+
+@contextlib.contextmanager
+def reopened(engine):
+    """A temporary region with ``engine``'s op table and dtype, while no other engine is active (checkpoint
+    recomputation during a backward that runs after its forward's region closed)."""
+    fresh = CastingEngine(engine.table, half_dtype=engine.half_dtype, allow_banned=engine.allow_banned,
+                          registrations=engine.registrations)
+    with _lock:
+        fresh.install()
+        _state.activate(None, fresh)
+    try:
+        yield fresh
+    finally:
+        with _lock:
+            _state.deactivate()
+            fresh.uninstall()

@@ -13,8 +13,10 @@ import threading
 import torch
 
 from ..errors import BannedOpError, CastError, ConfigError
+from .switch import DisabledThreads  # noqa: F401 - the engine's per-thread switch (re-exported)
 
 Tensor = torch.Tensor
+Parameter = torch.nn.Parameter
 FP32 = torch.float32
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # what Lightning (precision="16-mixed"), Accelerate (mixed_precision="fp16") and torch users type for a half dtype
@@ -38,30 +40,6 @@ _TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _PLAIN_TYPES = frozenset((int, float, bool, complex, str, bytes, type(None), slice, type(Ellipsis), torch.dtype,
                           torch.device, torch.Size, torch.layout, torch.memory_format))
 _promote_types = torch.promote_types
-
-
-class DisabledThreads(dict):
-    """Thread ident -> depth of ``disable_casts()`` regions open in that thread.
-
-    Wrappers test ``if disabled and get_ident() in disabled``: while no region is
-    open anywhere that is one truth test of an empty dict (cheaper than a
-    ``threading.local`` attribute read on every call).
-    """
-
-    def enter(self):
-        ident = threading.get_ident()
-        self[ident] = self.get(ident, 0) + 1
-
-    def exit(self):
-        ident = threading.get_ident()
-        depth = self[ident] - 1
-        if depth:
-            self[ident] = depth
-        else:
-            del self[ident]
-
-    def here(self):
-        return threading.get_ident() in self
 
 
 _thread_ident = threading.get_ident
@@ -147,12 +125,19 @@ def cast_kwargs(cast, kwargs):
 
 
 class CastCache:
-    """Per-iteration cache of fp32 leaf -> half casts.
+    """Per-forward cache of fp32 parameter -> half casts.
 
-    Keyed by ``id`` of the source tensor; an entry holds the source (so the id
+    Keyed by ``id`` of the source parameter; an entry holds the source (so the id
     cannot be reused while cached), its ``_version`` at cast time, the grad mode
     of the cast and the cast tensor. An entry made under ``no_grad`` never
     serves a grad-mode call, and an in-place change of the source invalidates it.
+
+    Writes through ``.data`` (``p.data = w``, ``p.data.copy_(w)``, ``vector_to_parameters``) move neither
+    ``p._version`` (``.data`` has its own version counter) nor, for ``copy_``, the storage pointer, so no key can
+    see them: like torch.autocast, which drops its cache when the outermost region exits, the engine drops this
+    one at each forward of a session's model, at each ``amp_patch.autocast()`` region's exit and at scale_loss.
+    Only ``nn.Parameter`` leaves are cached (torch caches any leaf that requires grad): a fresh input leaf per
+    iteration (adversarial attacks, input-gradient evaluation) is never worth keeping and would grow the cache.
     """
 
     def __init__(self):
@@ -189,7 +174,7 @@ def make_to_half(half_dtype, cache):
             if hit is not None and hit[0] is t and hit[1] == t._version and (hit[2] or not grad_enabled()):
                 return hit[3]
             out = cast(t)
-            if t.requires_grad and t.is_leaf:
+            if t.requires_grad and isinstance(t, Parameter) and t.is_leaf:
                 entries[id(t)] = (t, t._version, grad_enabled(), out)
             return out
         if dt is other:
@@ -251,6 +236,8 @@ def _casting_wrapper(original, entry, ctx, cast):
         if disabled and _get_ident() in disabled:
             return original(*args, **kwargs)
         if kwargs:
+            if kwargs.get("out") is not None:  # torch.autocast registers no out= overload: it runs uncast
+                return original(*args, **kwargs)
             return original(*map(cast_any, args), **cast_kwargs(cast, kwargs))
         n = len(args)  # unrolled for the common arities (no map/list), tensors cast without the dispatch hop
         if n == 3:
@@ -291,6 +278,8 @@ def promote_wrapper(original, entry, ctx):
             except AttributeError:
                 if type(b) in _PLAIN_TYPES and (type(a) in _PLAIN_TYPES or isinstance(a, Tensor)):
                     return original(a, b)
+        if kwargs and kwargs.get("out") is not None:  # as torch.autocast: out= overloads run uncast
+            return original(*args, **kwargs)
         widest = widest_dtype(args + tuple(kwargs.values()) if kwargs else args)
         if widest is None:
             return original(*args, **kwargs)
@@ -307,7 +296,7 @@ def sequence_promote_wrapper(original, entry, ctx):
     disabled = ctx.disabled
 
     def wrapper(*args, **kwargs):
-        if disabled and _get_ident() in disabled:
+        if disabled and _get_ident() in disabled or kwargs.get("out") is not None:  # out=: as torch.autocast
             return original(*args, **kwargs)
         if args:
             seq, rest = args[0], args[1:]

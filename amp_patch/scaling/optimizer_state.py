@@ -20,6 +20,7 @@ moments and step counts) changes, and LR schedulers still see a real call.
 optimizer's own grads: the half model grads under master weights and the pending scale, so after a failed
 batch ``zero_grad()`` forgets it exactly as it would without amp_patch.
 """
+import threading
 import weakref
 
 import torch
@@ -51,6 +52,8 @@ class OptimizerState:
         self.in_scale_loss = False  # an open scale_loss block names this optimizer (nesting is refused)
         self.foreign = None  # (loss_id, {id(param): (weakref, version)}): grads another loss's block left scaled
         self.own_exit = None  # grad_snapshot() when the last scale_loss naming this optimizer inside another exited
+        self.threads = set()  # idents of the threads that ran scale_loss / step / zero_grad on it (see used_by)
+        self.busy = {}  # thread ident -> "scale_loss" / "optimizer.step()" while one is open there (deinitialize)
         self._known_groups = 0
         self._handles = []
         try:  # a fault while making masters leaves no master in the optimizer
@@ -115,6 +118,7 @@ class OptimizerState:
         which the synced backward must still reduce, are rescaled where they are.
         """
         self._sync_groups()
+        self.claim()
         self.check_foreign("scale_loss")
         if self.skip_next and not self._any_grad():
             self.skip_next = False  # grads cleared (e.g. model.zero_grad()) after an overflow: nothing to skip
@@ -178,6 +182,18 @@ class OptimizerState:
         return bool(found)
 
     # -- grads written while this optimizer was not passed to scale_loss -------------------------------
+    def claim(self):
+        """This thread uses the optimizer (scale_loss naming it, step, zero_grad)."""
+        ident = threading.get_ident()
+        if ident not in self.threads:
+            self.threads.add(ident)
+
+    def used_by(self, ident):
+        """Whether a backward in thread ``ident`` may write this optimizer's grads as far as the foreign-grads
+        check knows: unclaimed, or claimed by that thread. Threads that each train their own optimizer never see
+        each other's scale_loss (their grads are their own thread's backward's, not a foreign loss's)."""
+        return not self.threads or ident in self.threads
+
     def grad_snapshot(self):
         """{id(param): (weakref to grad, version)} of every param backward may write (no tensor math, and no
         reference that would keep a cleared grad alive)."""
@@ -186,6 +202,8 @@ class OptimizerState:
     def note_foreign(self, snapshot, loss_id):
         """After a scale_loss that did not name this optimizer: remember the grads its backward wrote (not those
         a scale_loss naming it wrote since: ``own_exit``, taken when such a block nested inside this one exits)."""
+        if not self.used_by(threading.get_ident()):  # claimed by another thread since the snapshot
+            return
         own = self.own_exit or {}
         touched = [(id(p), _grad_key(p.grad)) for p in self._grad_params() if p.grad is not None
                    and not _same(snapshot.get(id(p)), p.grad) and not _same(own.get(id(p)), p.grad)]
@@ -220,6 +238,8 @@ class OptimizerState:
         scale_loss exit moves them into the masters' grads, which the optimizer itself zeroes). Scaler updates
         made for a step that never completed (``step()`` raised, or was never called) are rolled back, except
         backoffs after an overflow."""
+        self.claim()
+        self.busy.pop(threading.get_ident(), None)  # (a step() that raised never ran its post-hook)
         for scaler, memento in self.undo_updates.items():
             if memento is not None:
                 scaler.roll_back(memento)
@@ -241,6 +261,8 @@ class OptimizerState:
     def _pre_step(self, optimizer, args, kwargs):
         self._sync_groups()
         carry_edits(self.pairs)  # (in-place edits of the half model since the last copy reach the masters)
+        self.claim()
+        self.busy[threading.get_ident()] = "optimizer.step()"
         self.check_foreign("optimizer.step()")
         self._check_backward_outside()
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
@@ -263,6 +285,7 @@ class OptimizerState:
                 model_p.grad = None
 
     def _post_step(self, optimizer, args, kwargs):
+        self.busy.pop(threading.get_ident(), None)
         self.undo_updates.clear()
         if self.engine is not None:
             self.engine.resume_after_step()

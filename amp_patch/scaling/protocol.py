@@ -1,5 +1,6 @@
 """scale_loss: the per-iteration protocol between backward, the scalers and the optimizers."""
 import contextlib
+import threading
 import warnings
 
 import torch
@@ -93,6 +94,7 @@ def _begin(session, loss, optimizers, loss_id, model, delay_unscale):
     _check_not_nested(states)
     if session.engine is not None:
         session.engine.resume_after_step()
+        session.engine.forget_forwards()  # the loss's forward is over (one that raised left its mark)
     if session.no_sync_depth and any(state.pairs for state in states):
         delay_unscale = True  # inside DDP no_sync(): master grads must wait for the synced backward's reduction
     if model is not None and any(state.pairs for state in states):
@@ -107,8 +109,30 @@ def _begin(session, loss, optimizers, loss_id, model, delay_unscale):
 
 
 def _mark_open(states, is_open):
+    ident = threading.get_ident()
     for state in states:
         state.in_scale_loss = is_open
+        if is_open:
+            state.busy[ident] = "a scale_loss block"
+        else:
+            state.busy.pop(ident, None)
+
+
+def check_idle_elsewhere(session):
+    """deinitialize() removes process-wide patches: refuse while another live thread is inside a forward of a
+    session model (O1), a scale_loss block or an optimizer step of this session (it would finish half under
+    amp_patch and half not: raw dtype errors). A thread that starts one just after this check is not stopped."""
+    here, alive = threading.get_ident(), {t.ident: t for t in threading.enumerate()}
+    busy = [state.busy for state in session.opt_states.values()]
+    if session.engine is not None:
+        busy.append(dict.fromkeys(list(session.engine.forwards), "a forward of a model"))
+    for found in busy:
+        for ident, what in list(found.items()):
+            if ident != here and ident in alive:
+                raise UsageError(f"amp_patch.deinitialize() from thread {threading.current_thread().name!r} while "
+                                 f"thread {alive[ident].name!r} is inside {what} of this session; the patches "
+                                 "are process-wide, so that step would finish half under amp_patch and half not. "
+                                 "Stop the training threads (join them) first, then deinitialize()")
 
 
 def _end(session, scaler, loss_id, states, delay_unscale, loss):
@@ -127,15 +151,17 @@ def _note_grads_written(session, states, others, loss_id):
     Inside an enclosing open block, remember what this block left in its own optimizers: that is not foreign."""
     for state, snapshot in others:
         state.note_foreign(snapshot, loss_id)
-    if any(state.in_scale_loss for state in session.opt_states.values()):
+    ident = threading.get_ident()
+    if any(state.in_scale_loss and state.used_by(ident) for state in session.opt_states.values()):
         for state in states:
             state.own_exit = state.grad_snapshot()
 
 
 def _foreign_snapshots(session, states):
     """Optimizers of the session not passed to this scale_loss: what their grads are before this backward."""
-    passed = {id(state) for state in states}
-    return [(state, state.grad_snapshot()) for state in session.opt_states.values() if id(state) not in passed]
+    passed, ident = {id(state) for state in states}, threading.get_ident()
+    return [(state, state.grad_snapshot()) for state in session.opt_states.values()
+            if id(state) not in passed and state.used_by(ident)]
 
 
 class _BackwardProbe:

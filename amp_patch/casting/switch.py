@@ -1,0 +1,52 @@
+"""The per-thread casting switch every wrapper of an engine reads."""
+import threading
+
+
+class DisabledThreads(dict):
+    """Thread ident -> depth of ``disable_casts()`` regions open in that thread.
+
+    Wrappers test ``if disabled and get_ident() in disabled``: while no region is
+    open anywhere that is one truth test of an empty dict (cheaper than a
+    ``threading.local`` attribute read on every call).
+    """
+
+    def enter(self):
+        ident = threading.get_ident()
+        self[ident] = self.get(ident, 0) + 1
+
+    def exit(self):
+        ident = threading.get_ident()
+        depth = self[ident] - 1
+        if depth:
+            self[ident] = depth
+        else:
+            del self[ident]
+
+    def here(self):
+        return threading.get_ident() in self
+
+    def close(self):
+        """The engine is gone (session ended, or this is a forked child): every wrapper of it that someone still
+        holds (``f = torch.mm`` taken during the session, a library's patch on top of ours) passes through. The
+        wrappers' test ``disabled and ident in disabled`` is then true for every thread; open regions' exits are
+        no-ops."""
+        self.clear()
+        self[None] = 1
+        self.__class__ = _ClosedThreads
+
+
+class _ClosedThreads(DisabledThreads):
+    """A closed switch: casting off in every thread, for good (kept out of the live class: no Python-level
+    ``__contains__`` on the hot path)."""
+
+    def __contains__(self, ident):
+        return True
+
+    def enter(self):
+        pass
+
+    def exit(self):
+        pass
+
+    def close(self):
+        pass

@@ -200,27 +200,25 @@ def _counting_no_sync(original, session):
 
 # -- FSDP2 (torch.distributed.fsdp.fully_shard) ---------------------------------------------------------------
 def _is_sharded(model):
-    fsdp = getattr(torch.distributed, "fsdp", None) if torch.distributed.is_available() else None
-    cls = getattr(fsdp, "FSDPModule", None)
-    return cls is not None and any(isinstance(m, cls) for m in model.modules())
+    from .fsdp2 import is_sharded
+    return is_sharded(model)
 
 
-def check_fsdp_at_initialize(models, props):
-    """Refuse model casting (O2/O3) on FSDP2-sharded models; returns the models to watch for a later shard.
+def check_fsdp_at_initialize(models, props, master_weights=None):
+    """``(props, FSDP2 param groups, models to watch for a later shard)`` (see :func:`amp_patch.fsdp2.adapt_props`).
 
-    FSDP2 shards the parameters the module holds; O2's fp32 masters live in the optimizer, unsharded, and O2/O3
-    cast the sharded parameters themselves. FSDP2's ``MixedPrecisionPolicy`` is the sharded equivalent.
+    O2/O3 on a model sharded with a compatible MixedPrecisionPolicy (``amp_patch.fully_shard``): no cast and no
+    master copy; other sharded models are refused at O2/O3 with the policy to use.
     """
-    sharded = [m for m in models if _is_sharded(m)]
-    if sharded and props.cast_model_type is not None and props.cast_model_type is not torch.float32:
-        raise UsageError(
-            f"opt_level={props.opt_level!r} casts the model's parameters to {props.cast_model_type} (O2: with fp32 "
-            "master weights in the optimizer), which FSDP2 (fully_shard) cannot shard. For half compute on sharded "
-            "fp32 weights use FSDP2's own policy: fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype="
-            "torch.float16 or torch.bfloat16, reduce_dtype=torch.float32)) for each block and the root, then "
-            "amp_patch.initialize(model, optimizer, opt_level='O0', loss_scale='dynamic') for fp16 loss scaling; or "
-            "opt_level='O1' (no policy) for amp_patch's op lists. See docs/distributed.md, FSDP.")
-    return [m for m in models if m not in sharded]
+    from .fsdp2 import adapt_props
+    props, groups = adapt_props(models, props, master_weights)
+    return props, groups, [m for m in models if not _is_sharded(m)]
+
+
+def fsdp_grad_sync_off(groups):
+    """True while ``set_requires_gradient_sync(False)`` keeps any of these FSDP2 param groups' grads unreduced
+    (they accumulate unsharded, out of ``param.grad``, so a scale_loss exit there is delayed)."""
+    return any(not group.reduce_grads for group in groups)
 
 
 def check_not_sharded_since_initialize(models):

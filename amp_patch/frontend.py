@@ -51,8 +51,9 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                     cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
                     loss_scale=loss_scale, cast_model_outputs=cast_model_outputs)
+    props, fsdp_groups, unsharded = distributed.check_fsdp_at_initialize(model_list, props, master_weights)
     session = Session(props)
-    session.unsharded_models = distributed.check_fsdp_at_initialize(model_list, props)
+    session.unsharded_models, session.fsdp_groups = unsharded, fsdp_groups
     session.undo.append(distributed.install_rank_filter(log_all_ranks))
     try:
         _check_optimizers_train_models(props, model_list, opt_list)
@@ -163,6 +164,8 @@ def _check_incoming_fp32(models, allow):
     if allow or _state.allow_incoming_model_not_fp32():
         return
     for model in models:
+        if distributed._is_sharded(model):
+            continue  # FSDP2: the policy's dtypes are checked after resolve (check_fsdp_at_initialize)
         named = [("parameter", n, t) for n, t in model.named_parameters()]
         named += [("buffer", n, t) for n, t in model.named_buffers()]
         for kind, name, tensor in named:

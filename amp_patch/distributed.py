@@ -215,10 +215,22 @@ def check_fsdp_at_initialize(models, props, master_weights=None):
     return props, groups, [m for m in models if not _is_sharded(m)]
 
 
-def fsdp_grad_sync_off(groups):
-    """True while ``set_requires_gradient_sync(False)`` keeps any of these FSDP2 param groups' grads unreduced
-    (they accumulate unsharded, out of ``param.grad``, so a scale_loss exit there is delayed)."""
-    return any(not group.reduce_grads for group in groups)
+def fsdp_accumulating(session, scaler, loss_id):
+    """True while ``set_requires_gradient_sync(False)`` keeps the session's FSDP2 grads unreduced: they
+    accumulate inside FSDP2, out of ``param.grad``, so the scale_loss exit is delayed to the synced micro-batch.
+
+    Those grads carry the scale of the loss that produced them and amp_patch cannot rescale them there, so one
+    accumulation must use one loss id (refused otherwise)."""
+    off = any(not group.reduce_grads for group in session.fsdp_groups)
+    held = session.fsdp_held
+    if held is not None and held[0] is not scaler:
+        raise UsageError(f"scale_loss(..., loss_id={loss_id}) while FSDP2 holds gradients that micro-batches under "
+                         f"set_requires_gradient_sync(False) accumulated from loss_id={held[1]}; they are scaled "
+                         "by that loss's scale inside FSDP2, where amp_patch cannot rescale them. Use one loss_id "
+                         "for the micro-batches of one accumulation (or scale their sum: scale_loss(loss0 + loss1, "
+                         "optimizer)), or sync before switching loss ids.")
+    session.fsdp_held = (scaler, loss_id) if off else None
+    return off
 
 
 def check_not_sharded_since_initialize(models):

@@ -18,12 +18,14 @@ import amp_patch
 
 HALF = torch.float16
 STEPS = 6
-#: per step: (accumulate: micro-batch 0 without gradient sync, loss ids of the two micro-batches, inf on rank 1)
+#: per step: (accumulate: micro-batch 0 without gradient sync, loss ids of the two micro-batches, inf on rank 1).
+#: With growth_interval=1 loss 0's scale (backed off at step 2) grows again inside step 5's accumulation unless
+#: that micro-batch's scale_loss exit is delayed.
 PLAN = [(False, (0, 1), False), (True, (0, 0), False), (False, (0, 1), True),
-        (True, (1, 1), True), (False, (0, 1), False), (True, (0, 0), False)]
+        (True, (1, 1), True), (False, (1, 1), False), (True, (0, 0), False)]
 SKIPPED = [inject for _, _, inject in PLAN]
 INIT = dict(opt_level="O2", half_dtype=HALF, keep_fp32_modules=(torch.nn.LayerNorm,), num_losses=2,
-            max_loss_scale=2.0 ** 10, verbosity=0)
+            max_loss_scale=2.0 ** 10, growth_interval=1, verbosity=0)
 
 
 def make_model(seed=0):
@@ -218,7 +220,19 @@ def groups():
                    policy.cast_forward_inputs, str(dtype)) for name, policy, dtype, _ in param_groups([model])}
 
 
-def refusals():
+def _switch_loss_id_while_unsynced(rank):
+    model, opt, _ = sharded()
+    try:
+        x, y = batch(rank, 0, 0)
+        with fsdp_no_sync(model):
+            with amp_patch.scale_loss(F.mse_loss(model(x), y), opt, loss_id=0) as scaled:
+                scaled.backward()
+        return _error_of(lambda: amp_patch.scale_loss(F.mse_loss(model(x), y), opt, loss_id=1).__enter__())
+    finally:
+        amp_patch.deinitialize()
+
+
+def refusals(rank):
     """initialize on models sharded by torch's fully_shard with policies O2/O3 cannot use, and misuse."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -247,6 +261,7 @@ def refusals():
            "user policy O2": init(shard(fp16), opt_level="O2")}
     model, _ = shard(fp16)
     out["already sharded"] = _error_of(lambda: amp_patch.fully_shard(model))
+    out["loss id switch in accumulation"] = _switch_loss_id_while_unsynced(rank)
     mixed = torch.nn.ModuleList([shard(fp16)[0], make_model()])
     out["mixed"] = init((list(mixed), torch.optim.SGD(mixed.parameters(), lr=0.1)), opt_level="O2")
     return out
@@ -254,4 +269,4 @@ def refusals():
 
 def main(rank, world, stop, path):
     return {"ddp": ddp_o2(rank), "fsdp": fsdp_o2(rank), "resume": resume(rank, stop, path), "o3": o3(rank),
-            "groups": groups(), "refusals": refusals()}
+            "groups": groups(), "refusals": refusals(rank)}

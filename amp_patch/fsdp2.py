@@ -205,6 +205,7 @@ def adapt_props(models, props, master_weights=None):
                          "(amp_patch.fully_shard) or none")
     _refuse_remainder(props, master_weights)
     (_check_o2 if props.master_weights else _check_o3)(groups, props)
+    _check_kept_modules(sharded, props)
     log.info("FSDP2: the sharded %s params are what the optimizer steps (%s), no model cast",
              "fp32" if props.master_weights else str(props.cast_model_type),
              "the fp32 masters" if props.master_weights else "no masters, as O3")
@@ -279,6 +280,24 @@ def _check_o3(groups, props):
                          "half policy; O3 cannot cast sharded params itself. Shard with amp_patch.fully_shard(model, "
                          "opt_level='O3') (half params, half reduction, no masters), or use opt_level='O2' with a "
                          "half MixedPrecisionPolicy (amp_patch.fully_shard(model, opt_level='O2'))")
+
+
+def _check_kept_modules(models, props):
+    """keep_fp32_modules given to initialize must be fp32 groups: initialize cannot regroup a sharded model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for model in models:
+        for name, module in model.named_modules():
+            if not (props.keep_fp32_modules and isinstance(module, props.keep_fp32_modules) and _has_params(module)):
+                continue
+            policies = [g.mp_policy for g in module._get_fsdp_state()._fsdp_param_groups] \
+                if isinstance(module, FSDPModule) else []
+            if not policies or any(p.param_dtype in HALF_DTYPES for p in policies):
+                raise UsageError(f"keep_fp32_modules names {type(module).__name__}, but FSDP2 computes module "
+                                 f"{name!r} in half (it is {'in a half group' if policies else 'in its parent group'}"
+                                 "); initialize cannot regroup a sharded model. Pass keep_fp32_modules to "
+                                 f"amp_patch.fully_shard(model, opt_level={props.opt_level!r}, keep_fp32_modules=...) "
+                                 "too, or drop it from initialize")
 
 
 def _name(dtype):

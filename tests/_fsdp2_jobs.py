@@ -6,6 +6,7 @@ injected on rank 1 only, ``clip_grad_norm_`` through ``master_params``. The FSDP
 checkpoints (DCP + amp_patch.state_dict()), rebuilds everything and resumes.
 """
 import contextlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -113,7 +114,10 @@ def full_state(model, opt):
 def fsdp_o2(rank):
     model, opt, _ = sharded()
     try:
-        out = run(rank, model, opt, lambda: fsdp_no_sync(model), range(STEPS))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = run(rank, model, opt, lambda: fsdp_no_sync(model), range(STEPS))
+        out["warnings"] = [str(w.message) for w in caught]
         out.update(full_state(model, opt))
         out["layout"] = layout(model, opt)
         out["history"] = [(r["loss_id"], r["skipped"], r["cause_kind"]) for r in amp_patch.history()]
@@ -216,8 +220,11 @@ def groups():
     out = model(torch.randn(4, 6))
     out.float().sum().backward()
     assert out.dtype is torch.float32 and bool(torch.isfinite(out).all())
+    o1 = make_model()
+    amp_patch.fully_shard(o1, opt_level="O1", wrap=torch.nn.Linear)
     return {name: (str(policy.param_dtype), str(policy.reduce_dtype), str(policy.output_dtype),
-                   policy.cast_forward_inputs, str(dtype)) for name, policy, dtype, _ in param_groups([model])}
+                   policy.cast_forward_inputs, str(dtype)) for name, policy, dtype, _ in param_groups([model])}, \
+        sorted((name, policy == type(policy)()) for name, policy, _, _ in param_groups([o1]))
 
 
 def _switch_loss_id_while_unsynced(rank):
@@ -261,6 +268,10 @@ def refusals(rank):
            "user policy O2": init(shard(fp16), opt_level="O2")}
     model, _ = shard(fp16)
     out["already sharded"] = _error_of(lambda: amp_patch.fully_shard(model))
+    unkept = make_model()
+    amp_patch.fully_shard(unkept, opt_level="O2", half_dtype=HALF, wrap=torch.nn.Linear)
+    out["keep not sharded"] = init((unkept, torch.optim.SGD(unkept.parameters(), lr=0.1)),
+                                   **{k: v for k, v in INIT.items() if k != "verbosity"})
     out["loss id switch in accumulation"] = _switch_loss_id_while_unsynced(rank)
     mixed = torch.nn.ModuleList([shard(fp16)[0], make_model()])
     out["mixed"] = init((list(mixed), torch.optim.SGD(mixed.parameters(), lr=0.1)), opt_level="O2")

@@ -39,6 +39,11 @@ def test_o2_on_fsdp2_follows_ddp_o2(ranks):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
 
 
+def test_unscaling_sharded_grads_warns_nothing(ranks):
+    """The found-inf flag meets each grad's local shard, not a DTensor (torch warned at every step)."""
+    assert ranks[0]["fsdp"]["warnings"] == [] and ranks[1]["fsdp"]["warnings"] == []
+
+
 def test_ranks_agree_bitwise_and_skip_the_same_steps(ranks):
     """Rank 1's inf (once in a synced micro-batch, once in one without gradient sync) skips the step on both."""
     r0, r1 = ranks[0]["fsdp"], ranks[1]["fsdp"]
@@ -90,7 +95,8 @@ def test_o3_on_fsdp2_half_params_half_grads_no_masters(ranks):
 
 
 def test_groups_kept_fp32_modules_and_batchnorm_get_their_own(ranks):
-    groups = ranks[0]["groups"]
+    groups, o1 = ranks[0]["groups"]
+    assert o1 == [("0", True), ("3", True), ("5", True), ("<root>", True)]  # O1: the Linears and the root, no policy
     bf16, fp32 = "torch.bfloat16", "torch.float32"
     assert groups == {"<root>": (bf16, fp32, fp32, True, fp32),  # root: half compute, fp32 reduce, fp32 output
                       "1": ("None", "None", "None", False, fp32),  # BatchNorm: fp32 params on the half input
@@ -108,6 +114,7 @@ def test_groups_kept_fp32_modules_and_batchnorm_get_their_own(ranks):
     ("half params O1", "holds torch.float16 sharded params, but opt_level='O1' expects float32"),
     ("already sharded", "already (partly) sharded"),
     ("mixed", "FSDP2-sharded and unsharded models together"),
+    ("keep not sharded", "Pass keep_fp32_modules to amp_patch.fully_shard(model, opt_level='O2'"),
     ("loss id switch in accumulation", "UsageError: scale_loss(..., loss_id=1) while FSDP2 holds gradients"),
 ])
 def test_incompatible_sharding_is_refused_with_the_fix(ranks, case, expected):

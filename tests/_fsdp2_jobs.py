@@ -281,3 +281,8 @@ def refusals(rank):
 def main(rank, world, stop, path):
     return {"ddp": ddp_o2(rank), "fsdp": fsdp_o2(rank), "resume": resume(rank, stop, path), "o3": o3(rank),
             "groups": groups(), "refusals": refusals(rank)}
+
+
+def four(rank, world):
+    """The DDP / FSDP2 comparison alone (the opt-in 4-rank test)."""
+    return {"ddp": ddp_o2(rank), "fsdp": fsdp_o2(rank)}

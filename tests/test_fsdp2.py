@@ -5,6 +5,7 @@ Tolerances against DDP O2 (same model, data, seeds; docs/distributed.md): DDP al
 in fp16, FSDP2 reduce-scatters them in fp32, so they differ by fp16 roundings of the summed grads: losses within
 1e-4 (observed 1e-5), grad norms within rtol 1e-3 (observed 6e-5), final params within 1e-4 (observed 1.3e-5).
 """
+import os
 import random
 
 import pytest
@@ -28,20 +29,34 @@ def ranks(tmp_path_factory):
 def test_o2_on_fsdp2_follows_ddp_o2(ranks):
     """Two losses, accumulation without gradient sync, an inf on rank 1, clip_grad_norm_ via master_params."""
     for rank in ranks:
-        ddp, fsdp = rank["ddp"], rank["fsdp"]
-        assert ddp["skipped"] == fsdp["skipped"] == jobs.SKIPPED
-        finite = [[v for v in step] for step, skip in zip(fsdp["losses"], jobs.SKIPPED) if not skip]
-        ref = [[v for v in step] for step, skip in zip(ddp["losses"], jobs.SKIPPED) if not skip]
-        torch.testing.assert_close(torch.tensor(finite), torch.tensor(ref), rtol=0, atol=1e-4)
-        torch.testing.assert_close(torch.tensor(fsdp["norms"]), torch.tensor(ddp["norms"]), rtol=1e-3, atol=0)
-        for a, b in zip(fsdp["params"], ddp["params"]):
-            assert a.dtype is b.dtype is torch.float32
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        _follows_ddp(rank)
 
 
 def test_unscaling_sharded_grads_warns_nothing(ranks):
     """The found-inf flag meets each grad's local shard, not a DTensor (torch warned at every step)."""
     assert ranks[0]["fsdp"]["warnings"] == [] and ranks[1]["fsdp"]["warnings"] == []
+
+
+def _follows_ddp(rank):
+    ddp, fsdp = rank["ddp"], rank["fsdp"]
+    assert ddp["skipped"] == fsdp["skipped"] == jobs.SKIPPED
+    finite = [step for step, skip in zip(fsdp["losses"], jobs.SKIPPED) if not skip]
+    ref = [step for step, skip in zip(ddp["losses"], jobs.SKIPPED) if not skip]
+    torch.testing.assert_close(torch.tensor(finite), torch.tensor(ref), rtol=0, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(fsdp["norms"]), torch.tensor(ddp["norms"]), rtol=1e-3, atol=0)
+    for a, b in zip(fsdp["params"], ddp["params"]):
+        assert a.dtype is b.dtype is torch.float32
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(os.environ.get("AMP_PATCH_FSDP2_4RANKS") != "1",
+                    reason="opt-in (AMP_PATCH_FSDP2_4RANKS=1): 4 processes on the 2-core CI box take ~1 min")
+def test_four_ranks_o2_on_fsdp2_follows_ddp_o2(tmp_path):
+    ranks = w.run_ranks("_fsdp2_jobs:four", tmp_path, world=4, timeout=300)
+    for rank in ranks:
+        _follows_ddp(rank)
+    for other in ranks[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0]["fsdp"]["params"], other["fsdp"]["params"]))
 
 
 def test_ranks_agree_bitwise_and_skip_the_same_steps(ranks):

@@ -17,6 +17,7 @@ from .frontend import (clear_cache, deinitialize, history, initialize, last_over
                        load_state_dict, loss_scale, master_params, state_dict)
 from .scaling import scale_loss
 from .framework_hooks import attach_optimizers, next_step_skipped
+from .fsdp2 import fully_shard
 
 
 def doctor(job, *, opt_level="O1", half_dtype=torch.float16, steps=40, op_lists=None, out=None):
@@ -37,5 +38,5 @@ __all__ = [
     "half_function", "promote_function", "register_float_function", "register_half_function",
     "register_promote_function", "initialize", "deinitialize", "clear_cache", "scale_loss", "master_params",
     "state_dict", "load_state_dict", "last_step_skipped", "loss_scale", "attach_optimizers", "next_step_skipped",
-    "trace", "history", "last_overflow", "doctor", "__version__",
+    "trace", "history", "last_overflow", "doctor", "fully_shard", "__version__",
 ]

@@ -249,27 +249,37 @@ def _counting_no_sync(original, session):
 
 # -- FSDP2 (torch.distributed.fsdp.fully_shard) ---------------------------------------------------------------
 def _is_sharded(model):
-    fsdp = getattr(torch.distributed, "fsdp", None) if torch.distributed.is_available() else None
-    cls = getattr(fsdp, "FSDPModule", None)
-    return cls is not None and any(isinstance(m, cls) for m in model.modules())
+    from .fsdp2 import is_sharded
+    return is_sharded(model)
 
 
-def check_fsdp_at_initialize(models, props):
-    """Refuse model casting (O2/O3) on FSDP2-sharded models; returns the models to watch for a later shard.
+def check_fsdp_at_initialize(models, props, master_weights=None):
+    """``(props, FSDP2 param groups, models to watch for a later shard)`` (see :func:`amp_patch.fsdp2.adapt_props`).
 
-    FSDP2 shards the parameters the module holds; O2's fp32 masters live in the optimizer, unsharded, and O2/O3
-    cast the sharded parameters themselves. FSDP2's ``MixedPrecisionPolicy`` is the sharded equivalent.
+    O2/O3 on a model sharded with a compatible MixedPrecisionPolicy (``amp_patch.fully_shard``): no cast and no
+    master copy; other sharded models are refused at O2/O3 with the policy to use.
     """
-    sharded = [m for m in models if _is_sharded(m)]
-    if sharded and props.cast_model_type is not None and props.cast_model_type is not torch.float32:
-        raise UsageError(
-            f"opt_level={props.opt_level!r} casts the model's parameters to {props.cast_model_type} (O2: with fp32 "
-            "master weights in the optimizer), which FSDP2 (fully_shard) cannot shard. For half compute on sharded "
-            "fp32 weights use FSDP2's own policy: fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype="
-            "torch.float16 or torch.bfloat16, reduce_dtype=torch.float32)) for each block and the root, then "
-            "amp_patch.initialize(model, optimizer, opt_level='O0', loss_scale='dynamic') for fp16 loss scaling; or "
-            "opt_level='O1' (no policy) for amp_patch's op lists. See docs/distributed.md, FSDP.")
-    return [m for m in models if m not in sharded]
+    from .fsdp2 import adapt_props
+    props, groups = adapt_props(models, props, master_weights)
+    return props, groups, [m for m in models if not _is_sharded(m)]
+
+
+def fsdp_accumulating(session, scaler, loss_id):
+    """True while ``set_requires_gradient_sync(False)`` keeps the session's FSDP2 grads unreduced: they
+    accumulate inside FSDP2, out of ``param.grad``, so the scale_loss exit is delayed to the synced micro-batch.
+
+    Those grads carry the scale of the loss that produced them and amp_patch cannot rescale them there, so one
+    accumulation must use one loss id (refused otherwise)."""
+    off = any(not group.reduce_grads for group in session.fsdp_groups)
+    held = session.fsdp_held
+    if held is not None and held[0] is not scaler:
+        raise UsageError(f"scale_loss(..., loss_id={loss_id}) while FSDP2 holds gradients that micro-batches under "
+                         f"set_requires_gradient_sync(False) accumulated from loss_id={held[1]}; they are scaled "
+                         "by that loss's scale inside FSDP2, where amp_patch cannot rescale them. Use one loss_id "
+                         "for the micro-batches of one accumulation (or scale their sum: scale_loss(loss0 + loss1, "
+                         "optimizer)), or sync before switching loss ids.")
+    session.fsdp_held = (scaler, loss_id) if off else None
+    return off
 
 
 def check_not_sharded_since_initialize(models):

@@ -51,12 +51,14 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                     cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
                     loss_scale=loss_scale, cast_model_outputs=cast_model_outputs)
+    props, fsdp_groups, unsharded = distributed.check_fsdp_at_initialize(model_list, props, master_weights)
     # every argument is checked before anything is touched: a ConfigError leaves the models as they were
     _check_optimizers_train_models(props, model_list, opt_list)
     scalers = _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor, backoff_factor,
                             growth_interval, hysteresis)
-    table, unsharded = _check_the_rest(props, model_list, history_size, op_lists)
+    table = _check_the_rest(props, history_size, op_lists)
     session = Session(props)
+    session.fsdp_groups = fsdp_groups
     try:
         _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks)
         session.unsharded_models = unsharded
@@ -190,6 +192,8 @@ def _check_incoming_fp32(models, allow):
     if allow or _state.allow_incoming_model_not_fp32():
         return
     for model in models:
+        if distributed._is_sharded(model):
+            continue  # FSDP2: the policy's dtypes are checked after resolve (check_fsdp_at_initialize)
         named = [("parameter", n, t) for n, t in model.named_parameters()]
         named += [("buffer", n, t) for n, t in model.named_buffers()]
         for kind, name, tensor in named:
@@ -324,11 +328,11 @@ def _guard_step_pause(session, models):
             patcher.install(cls, "step", make)
 
 
-def _check_the_rest(props, models, history_size, op_lists):
-    """The last checks before initialize changes anything; returns the op table and the unsharded models."""
+def _check_the_rest(props, history_size, op_lists):
+    """The last checks before initialize changes anything; returns the op table."""
     if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
         raise ConfigError(f"history_size={history_size!r}; pass a positive number of steps to keep")
-    return _load_table(props, op_lists), distributed.check_fsdp_at_initialize(models, props)
+    return _load_table(props, op_lists)
 
 
 def _set_up_diagnostics(session, models, diagnose_overflow, history_size):

@@ -27,6 +27,8 @@ class Session:
         self.last_overflow = None
         self.no_sync_depth = 0  # open DistributedDataParallel.no_sync() regions (O2: unscale deferred inside)
         self.unsharded_models = []  # not FSDP2-sharded at initialize: a later fully_shard is refused
+        self.fsdp_groups = []  # FSDP2 param groups of the models (set_requires_gradient_sync(False) delays unscale)
+        self.fsdp_held = None  # (scaler, loss id) of the grads FSDP2 accumulates unreduced (no gradient sync)
         self.masters_checked = False  # the one-time DDP master-weight check of scale_loss
         self.unreachable = []  # import-time bindings amp_patch cannot reach (reported)
         self.fp32_data = {}  # id(param) -> fp32 data of params cast without an optimizer (for attach_optimizers)

@@ -97,6 +97,8 @@ def _begin(session, loss, optimizers, loss_id, model, delay_unscale):
         session.engine.forget_forwards()  # the loss's forward is over (one that raised left its mark)
     if session.no_sync_depth and any(state.pairs for state in states):
         delay_unscale = True  # inside DDP no_sync(): master grads must wait for the synced backward's reduction
+    if session.fsdp_groups and distributed.fsdp_accumulating(session, scaler, loss_id):
+        delay_unscale = True  # FSDP2 set_requires_gradient_sync(False): the grads are not in param.grad yet
     if model is not None and any(state.pairs for state in states):
         distributed.check_unscale_inside_no_sync(model, delay_unscale)
     if not session.masters_checked:

@@ -29,6 +29,8 @@ def _group(tensors):
         seen.add(id(tensor))
         if tensor.is_sparse:
             tensor = tensor._values()
+        if hasattr(tensor, "to_local"):  # a DTensor (FSDP2's sharded grads): this rank's shard, same storage
+            tensor = tensor.to_local()
         groups.setdefault(tensor.device, {}).setdefault(tensor.dtype, []).append(tensor)
     return groups
 

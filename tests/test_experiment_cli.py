@@ -263,3 +263,10 @@ def test_ctrl_c_in_any_command_is_one_line_and_exit_130(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_run_validate", interrupted)
     assert cli.main(["validate", "apex"]) == 130
     assert capsys.readouterr().err.strip().splitlines() == ["amp-patch validate: interrupted (Ctrl-C)"]
+
+
+@pytest.mark.parametrize("command", ["experiment", "trace", "doctor", "validate", "lists", "run"])
+def test_every_subcommands_help_prints(command, capsys):
+    assert cli.main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: amp-patch {command}")

@@ -51,6 +51,13 @@ def add_parser(subparsers):
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads per run (default: 1 for the built-in models on CPU, which are "
                              "too small to gain from more and time steadier on one; torch's default for --job)")
+    _add_output_options(parser)
+    parser.set_defaults(func=run_command)
+    return parser
+
+
+def _add_output_options(parser):
+    """Where the report goes, how the command talks, and the verdict's tolerance."""
     parser.add_argument("--out", metavar="DIR", default=os.path.join(".", "experiment_out"),
                         help="where experiment.json and experiment.png go (default ./experiment_out)")
     parser.add_argument("--no-isolate", action="store_true",
@@ -62,8 +69,6 @@ def add_parser(subparsers):
                         help="the verdict's bound on a variant's loss gap to fp32, relative to fp32's loss at each "
                              f"step (default {LOSS_TOLERANCE:g}: within {LOSS_TOLERANCE * 100:g}%%)")
     add_verbose(parser)
-    parser.set_defaults(func=run_command)
-    return parser
 
 
 def _jobs(args):

@@ -252,3 +252,21 @@ def test_an_op_overflowing_in_every_layer_gets_one_layer_glob_and_in_one_layer_t
     one = amp_patch.doctor(jobs.layered_one_hot_job(), steps=4)
     assert one.status == "fixed" and one.fixes == [{"target": "torch", "name": "bmm", "scope": "blocks.1"}]
     assert any("narrowed" in line for line in one.log)
+
+
+def test_consecutive_gradient_backoffs_after_warm_up_count_as_the_scaler_finding_its_scale():
+    """65536 skipped (warm-up), 32768 applied, then 32768 and 16384 skipped and 8192 applied: the issue's pattern
+    (it was counted as one warm-up skip and two real ones)."""
+    from amp_patch.precision_doctor import training
+    run = training.Run("O1")
+    history = [(0, True, "warmup"), (1, False, None), (2, True, "grads"), (3, True, "grads"), (4, False, None)]
+    for step, skipped, kind in history:
+        if skipped:
+            run.skips.append({"step": step, "kind": kind, "cause": "c", "scale": 1.0})
+            if kind != "warmup" and run.failure is None:
+                run.failure = training.Failure(step, kind, "c", {}, [])
+        else:
+            training._recovered(run, step)
+    run.losses.append(1.0)
+    assert [s["kind"] for s in run.skips] == ["warmup", "backoff", "backoff"]
+    assert run.failure is None and run.healthy and len(run.warmup_skips) == 3

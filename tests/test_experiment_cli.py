@@ -254,3 +254,19 @@ def test_ctrl_c_in_process_undoes_the_session_and_keeps_what_finished(tmp_path):
     assert o1["status"] == "interrupted" and o1["steps_run"] == 0
     data = json.loads((tmp_path / "experiment.json").read_text())
     assert data["partial"] is True and data["jobs"]["job"]["variants"]["fp32"]["steps_run"] == 5
+
+
+def test_ctrl_c_in_any_command_is_one_line_and_exit_130(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_run_validate", interrupted)
+    assert cli.main(["validate", "apex"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["amp-patch validate: interrupted (Ctrl-C)"]
+
+
+@pytest.mark.parametrize("command", ["experiment", "trace", "doctor", "validate", "lists", "run"])
+def test_every_subcommands_help_prints(command, capsys):
+    assert cli.main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: amp-patch {command}")

@@ -51,17 +51,24 @@ def add_parser(subparsers):
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads per run (default: 1 for the built-in models on CPU, which are "
                              "too small to gain from more and time steadier on one; torch's default for --job)")
+    _add_output_options(parser)
+    parser.set_defaults(func=run_command)
+    return parser
+
+
+def _add_output_options(parser):
+    """Where the report goes, how the command talks, and the verdict's tolerance."""
     parser.add_argument("--out", metavar="DIR", default=os.path.join(".", "experiment_out"),
                         help="where experiment.json and experiment.png go (default ./experiment_out)")
     parser.add_argument("--no-isolate", action="store_true",
                         help="run the variants one after the other in this process (debugging)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no starting line and no progress bar on stderr (the bar, with elapsed time and ETA, "
+                             "shows only when stdout and stderr are terminals)")
     parser.add_argument("--loss-tolerance", type=float, default=LOSS_TOLERANCE, metavar="FRACTION",
                         help="the verdict's bound on a variant's loss gap to fp32, relative to fp32's loss at each "
-                             f"step (default {LOSS_TOLERANCE:g}: within {LOSS_TOLERANCE:.0%})")
+                             f"step (default {LOSS_TOLERANCE:g}: within {LOSS_TOLERANCE * 100:g}%%)")
     add_verbose(parser)
-    parser.set_defaults(func=run_command)
-    return parser
 
 
 def _jobs(args):

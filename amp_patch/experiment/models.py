@@ -106,6 +106,8 @@ def _import_file(spec, path):
     loaded = sys.modules.get(name)
     if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") == full:
         return loaded
+    if loaded is not None:  # another module has the name (a file called json.py): leave it alone
+        name = f"{name}__amp_patch_job"
     module_spec = importlib.util.spec_from_file_location(name, full)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module

@@ -13,9 +13,9 @@ from ..experiment.runner import Config, _batches
 from ..scaling import scale_loss
 
 
-# "warmup": history()'s consecutive backoffs from the initial scale before the first applied step; "backoff": a
-# skip for non-finite gradients alone (finite loss, no forward overflow) right after which the scaler applied a
-# step at the halved scale, which is the dynamic scaler's documented rhythm (grow, overflow once, back off).
+# "warmup": history()'s consecutive backoffs from the initial scale before the first applied step; "backoff": skips
+# for non-finite gradients alone (finite loss, no forward overflow) right after which the scaler applied a step at
+# the backed-off scale, which is the dynamic scaler's documented rhythm (grow, overflow, back off until it fits).
 _SCALE_FINDING = frozenset(("warmup", "backoff"))
 
 
@@ -128,10 +128,14 @@ def _record(run, step, loss, model, batch):
 
 
 def _recovered(run, step):
-    """Step ``step`` applied: a gradient-only skip just before it was the scaler backing off, not a fault."""
-    last = run.skips[-1] if run.skips else None
-    if last is None or last["step"] != step - 1 or last["kind"] != "grads":
-        return
-    last["kind"] = "backoff"
-    if run.failure is not None and run.failure.step == step - 1:
+    """Step ``step`` applied: the gradient-only skips just before it (consecutive, ending at ``step - 1``) were the
+    scaler backing off until the gradients fit, not a fault; a failure snapshot taken at one of them is dropped."""
+    backed_off = []
+    for skip in reversed(run.skips):
+        if skip["step"] != step - 1 - len(backed_off) or skip["kind"] != "grads":
+            break
+        backed_off.append(skip)
+    for skip in backed_off:
+        skip["kind"] = "backoff"
+    if backed_off and run.failure is not None and run.failure.step >= backed_off[-1]["step"]:
         run.failure = None

@@ -274,3 +274,27 @@ def test_a_failed_undo_of_a_failed_initialize_is_retried_by_deinitialize(monkeyp
     assert _state.current() is not None and "call amp_patch.deinitialize()" in caplog.text
     amp_patch.deinitialize()
     _assert_same(before, _snapshot(model, opt))
+
+
+def test_an_interrupted_patch_restore_keeps_that_patch_for_the_retry():
+    """Within one undo step (e.g. the O1 engine's hundreds of patches) a patch is forgotten only once restored."""
+    interrupt = set()
+
+    class Flaky:
+        def __setattr__(self, name, value):
+            if name in interrupt and value == "original":
+                interrupt.discard(name)
+                raise KeyboardInterrupt
+            object.__setattr__(self, name, value)
+
+    target = Flaky()
+    for name in "abc":
+        setattr(target, name, "original")
+    patcher = Patcher()
+    for name in "abc":
+        patcher.install(target, name, lambda original: "patched")
+    interrupt.add("b")
+    with pytest.raises(KeyboardInterrupt):
+        patcher.restore_all()
+    assert (target.a, target.b, target.c) == ("original", "patched", "original") and len(patcher) == 1
+    assert patcher.restore_all() == 1 and target.b == "original" and len(patcher) == 0

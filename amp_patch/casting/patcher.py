@@ -79,15 +79,27 @@ class Patcher:
         return replacement
 
     def restore_all(self):
-        """Undo every patch, newest first. Returns the number restored."""
-        count = 0
-        failures = []
+        """Undo every patch, newest first. Returns the number restored.
+
+        A patch is forgotten only once restored: when restoring one raises (or is interrupted), the others are
+        still restored, the failed ones are kept for a later call, and the first error is re-raised."""
+        count, failures, kept, first = 0, [], [], None
         while self._patches:
-            patch = self._patches.pop()
-            self._sites.discard((id(patch.target), patch.name))
-            if not self._restore(patch):
-                failures.append(f"{_qualname(patch.target)}.{patch.name}")
-            count += 1
+            patch = self._patches[-1]
+            try:
+                restored = self._restore(patch)
+            except BaseException as exc:  # noqa: B036 - re-raised below, after the other patches
+                kept.append(patch)
+                first = first if first is not None else exc
+            else:
+                self._sites.discard((id(patch.target), patch.name))
+                if not restored:
+                    failures.append(f"{_qualname(patch.target)}.{patch.name}")
+                count += 1
+            self._patches.pop()
+        self._patches = kept[::-1]
+        if first is not None:
+            raise first
         if failures:
             log.warning("left %d attribute(s) as someone else re-patched them after amp_patch: %s",
                         len(failures), ", ".join(failures))

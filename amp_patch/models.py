@@ -95,10 +95,11 @@ class ModelPatch:
                     with_kwargs=True))
                 self.handles.append(module.register_forward_hook(lambda m, args, out: cast_tree(out, to_half)))
 
-    def link_state_dict(self, masters):
+    def link_state_dict(self, masters, to_model=None):
         """state_dict() holds what amp_patch cast in its original dtype under every name (tied params included):
         the fp32 masters where there are (O2), else an upcast copy (O3, as Apex's state_dict hook did).
-        load_state_dict() also writes the masters (in place, so tied params stay tied)."""
+        load_state_dict() also writes the masters (in place, so tied params stay tied); ``to_model(param,
+        master)``, if given, is the half value the model param then gets (else torch's cast of the loaded one)."""
         if not self.original_dtypes and not self.buffers:
             return
         params, buffers = _names_by_id(self.model)
@@ -118,10 +119,12 @@ class ModelPatch:
 
         def load_pre_hook(module, state_dict, prefix, *unused):
             with torch.no_grad():
-                for name, _, _, master in restored:
+                for name, param, _, master in restored:
                     value = state_dict.get(prefix + name)
                     if master is not None and isinstance(value, torch.Tensor) and value.shape == master.shape:
                         master.copy_(value)
+                        if to_model is not None:
+                            state_dict[prefix + name] = to_model(param, master)
 
         self.handles.append(self.model.register_state_dict_post_hook(state_dict_hook))
         self.handles.append(self.model.register_load_state_dict_pre_hook(load_pre_hook))

@@ -178,3 +178,25 @@ def test_param_groups_changed_after_initialize_are_refused():
             jobs.train_steps(model, opt, 1)
     finally:
         amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize("mode", ["remainder", "split"])
+def test_every_step_rounds_masters_to_the_model_by_the_split_rule(mode):
+    """SGD with lr=0 keeps the planted ties in the masters at every step, so each step's copy to the model
+    (not only the first rounding at initialize) must apply the tie rule."""
+    initial = {k: v.clone() for k, v in jobs.make_model().state_dict().items()}
+    model = jobs.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0,
+                                      **jobs.MODES[mode])
+    try:
+        for _ in range(2):
+            with amp_patch.scale_loss(model(torch.ones(2, 8, dtype=torch.bfloat16)).float().sum(), opt) as s:
+                s.backward()
+            opt.step()
+            opt.zero_grad()
+            for (k, v), p in zip(model.state_dict().items(), model.parameters()):
+                assert torch.equal(v.view(torch.int32), initial[k].view(torch.int32)), k
+                assert torch.equal(p.detach().view(torch.int16), round_split(v).view(torch.int16)), k
+    finally:
+        amp_patch.deinitialize()

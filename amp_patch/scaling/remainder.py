@@ -34,13 +34,26 @@ def _halves(bits32):
     return (pairs[:, 0], pairs[:, 1]) if _LITTLE else (pairs[:, 1], pairs[:, 0])
 
 
-def split_(master, weight, remainder):
-    """Write the bf16 half of fp32 ``master`` into ``weight`` and its int16 remainder into ``remainder``."""
-    low, high = _halves(master.detach().contiguous())
+def split_(master, weight, remainder, nan_safe=True):
+    """Write the bf16 half of fp32 ``master`` into ``weight`` and its int16 remainder into ``remainder``.
+
+    ``nan_safe=False`` skips the NaN pass (a NaN master could then round to inf or zero): for callers that
+    checked the masters are free of NaN (:func:`any_nan`)."""
+    bits = master.detach().contiguous().view(torch.int32).view(-1)
     rem = remainder.view(-1)
-    rem.copy_(low)
+    rem.copy_(bits)  # int32 -> int16 keeps the low 16 bits, two's complement
     w16 = weight.view(torch.int16).view(-1)
-    w16.copy_(torch.where(torch.isnan(master).view(-1), high | 0x0040, high - (rem >> 15)))
+    high = _halves(bits)[1]
+    torch.sub(high, rem >> 15, out=w16)  # a negative remainder: the weight rounded up by one
+    if nan_safe:
+        w16.copy_(torch.where(torch.isnan(master.detach()).view(-1), high | 0x0040, w16))
+
+
+def any_nan(tensors):
+    """Might one of ``tensors`` hold a NaN? One host sync for all (a sum is NaN if an element is, or +inf and
+    -inf meet: then the NaN-safe path runs for nothing)."""
+    sums = [t.detach().sum() for t in tensors]
+    return bool(sums) and not bool(torch.isfinite(torch.stack(sums)).all())
 
 
 def round_split(master):
@@ -132,10 +145,11 @@ class RemainderMasters:
             self.live.add(id(master))
 
     def after_step(self, pairs, skipped):
-        with torch.no_grad():
-            for model_p, master in pairs:
-                if not skipped:
-                    split_(master.data, model_p.data, self.remainders[id(master)])
+        if not skipped:
+            nan_safe = any_nan([master for _, master in pairs])
+            with torch.no_grad():
+                for model_p, master in pairs:
+                    split_(master.data, model_p.data, self.remainders[id(master)], nan_safe)
         self.release(pairs)
 
     def release(self, pairs):

@@ -7,7 +7,7 @@ import _dist_worker as w
 import _remainder_jobs as jobs
 import amp_patch
 from amp_patch.errors import ConfigError, UsageError
-from amp_patch.scaling.remainder import join, round_split, split
+from amp_patch.scaling.remainder import join, round_split, split, split_
 
 
 # -- the split rule -----------------------------------------------------------------------------
@@ -32,6 +32,18 @@ def test_split_join_is_exact_over_every_high_half_and_dense_low_halves():
     got = weight.view(torch.int16).to(torch.int64) & 0xFFFF
     assert torch.equal(got[~nan], expected[~nan])
     assert rem.dtype is torch.int16 and torch.equal(rem.to(torch.int32), ((bits & 0xFFFF) ^ 0x8000) - 0x8000)
+
+
+def test_the_fast_split_of_finite_masters_is_the_exact_split():
+    """After a step with finite masters the split takes a shortcut (lowest bit set, torch's rounding)."""
+    bits, _ = _patterns()
+    master = bits.view(torch.float32)
+    finite = master[torch.isfinite(master)]
+    weight, rem = split(finite)
+    fast_w, fast_r = torch.empty_like(weight), torch.empty_like(rem)
+    split_(finite.clone(), fast_w, fast_r, nan_safe=False)
+    assert torch.equal(fast_w.view(torch.int16), weight.view(torch.int16)) and torch.equal(fast_r, rem)
+    assert torch.equal(join(fast_w, fast_r).view(torch.int32), finite.view(torch.int32))
 
 
 def test_nan_stays_nan_and_inf_stays_inf():
@@ -198,5 +210,38 @@ def test_every_step_rounds_masters_to_the_model_by_the_split_rule(mode):
             for (k, v), p in zip(model.state_dict().items(), model.parameters()):
                 assert torch.equal(v.view(torch.int32), initial[k].view(torch.int32)), k
                 assert torch.equal(p.detach().view(torch.int16), round_split(v).view(torch.int16)), k
+    finally:
+        amp_patch.deinitialize()
+
+
+class _WritePatterns(torch.optim.Optimizer):
+    """Writes given fp32 bit patterns into its first param (a stand-in for an update that went wrong)."""
+
+    def __init__(self, params, patterns):
+        super().__init__(params, {})
+        self.patterns = patterns
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        p = self.param_groups[0]["params"][0]
+        p.view(-1)[:len(self.patterns)].view(torch.int32).copy_(self.patterns)
+
+
+def test_a_step_that_writes_nan_or_inf_masters_keeps_them_non_finite():
+    patterns = torch.tensor([0x7F800001, 0x7F807FFF, 0x7FFFFFFF, -1, 0x7F800000, -0x800000, 0x7F7FFFFF],
+                            dtype=torch.int64).to(torch.int32)  # NaNs (low-half payloads, max), +-inf, max finite
+    model = torch.nn.Linear(4, 4)
+    opt = _WritePatterns(model.parameters(), patterns)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0,
+                                      master_weights="remainder")
+    try:
+        with amp_patch.scale_loss(model(torch.ones(1, 4, dtype=torch.bfloat16)).float().sum(), opt) as s:
+            s.backward()
+        opt.step()
+        weight = model.weight.detach().view(-1)[:7].float()
+        assert torch.isnan(weight[:4]).all()
+        assert torch.equal(weight[4:6], torch.tensor([float("inf"), -float("inf")])) and torch.isinf(weight[6])
+        master = model.state_dict()["weight"].view(-1)[:7]
+        assert torch.isnan(master[:4]).all() and torch.equal(master[4:].view(torch.int32), patterns[4:])
     finally:
         amp_patch.deinitialize()

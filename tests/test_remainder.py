@@ -245,3 +245,35 @@ def test_a_step_that_writes_nan_or_inf_masters_keeps_them_non_finite():
         assert torch.isnan(master[:4]).all() and torch.equal(master[4:].view(torch.int32), patterns[4:])
     finally:
         amp_patch.deinitialize()
+
+
+class _OddParams(torch.nn.Module):
+    """A 0-dim param on a tie, a transposed (non-contiguous) one and an empty one."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = torch.nn.Parameter(torch.tensor(1.0 + 2 ** -8 + 2 ** -9))  # low 16 bits exactly 0x8000
+        self.w = torch.nn.Parameter(torch.randn(3, 5).t())
+        self.e = torch.nn.Parameter(torch.zeros(0))
+
+    def forward(self, x):
+        return (x @ self.w) * self.s + self.e.sum()
+
+
+@pytest.mark.parametrize("mode", ["remainder", "split"])
+def test_zero_dim_transposed_and_empty_params(mode):
+    model = _OddParams()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0,
+                                      **jobs.MODES[mode])
+    try:
+        for _ in range(2):
+            with amp_patch.scale_loss(model(torch.ones(2, 5, dtype=torch.bfloat16)).float().sum(), opt) as s:
+                s.backward()
+            opt.step()
+            opt.zero_grad()
+        assert all(torch.equal(v, initial[k]) for k, v in model.state_dict().items())
+        assert model.s.item() == 1.0 + 2 ** -7  # the tie rounded away from zero
+    finally:
+        amp_patch.deinitialize()

@@ -52,7 +52,7 @@ def split_(master, weight, remainder, nan_safe=True):
     w16 = weight.view(torch.int16).view(-1)
     high = _halves(bits)[1]
     torch.sub(high, rem >> 15, out=w16)  # a negative remainder: the weight rounded up by one
-    w16.copy_(torch.where(torch.isnan(master.detach()).view(-1), high | 0x0040, w16))
+    w16.copy_(torch.where(torch.isnan(master.detach()).reshape(-1), high | 0x0040, w16))
 
 
 def all_finite(tensors):
@@ -107,7 +107,7 @@ class Fp32Masters:
         with torch.no_grad():
             if self.rounding == "split":
                 for model_p, master in pairs:
-                    split_(master, model_p, torch.empty(master.shape, dtype=torch.int16, device=master.device))
+                    model_p.copy_(round_split(master))
             else:
                 torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
@@ -136,6 +136,8 @@ class RemainderMasters:
             raise UsageError(f"master_weights='remainder' needs bfloat16 model params; this one is {model_p.dtype}. "
                              "Use half_dtype=torch.bfloat16, or master_weights=True")
         remainder = torch.empty(master.shape, dtype=torch.int16, device=master.device)
+        if not model_p.is_contiguous():  # split and join work on the flat 16-bit words
+            model_p.data = model_p.data.contiguous()
         with torch.no_grad():
             split_(master.detach(), model_p.data, remainder)
         self.remainders[id(master)] = remainder

@@ -277,3 +277,17 @@ def test_zero_dim_transposed_and_empty_params(mode):
         assert model.s.item() == 1.0 + 2 ** -7  # the tie rounded away from zero
     finally:
         amp_patch.deinitialize()
+
+
+def test_the_experiment_runs_o2_remainder_only_when_named():
+    from amp_patch.experiment.variants import VARIANTS, make_variant, parse_variants
+
+    assert "O2-remainder" not in VARIANTS and parse_variants("fp32,O2-remainder") == ("fp32", "O2-remainder")
+    variant = make_variant("O2-remainder", torch.bfloat16, "cpu")
+    model = jobs.make_model()
+    variant.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        session = amp_patch.frontend._state.current()
+        assert session.props.master_storage == "remainder" and variant.opt_level == "O2"
+    finally:
+        variant.close()

@@ -157,6 +157,7 @@ def test_no_fp32_copy_of_weights_or_grads_between_steps():
         jobs.train_steps(model, opt, 1)
         masters = list(amp_patch.master_params(opt))
         assert all(m.untyped_storage().nbytes() == 4 and m.grad is None for m in masters)
+        assert all(torch.isnan(m).all() for m in masters)  # placeholders: no value between steps
         assert all(p.dtype is torch.bfloat16 and p.grad is None for p in model.parameters())
     finally:
         amp_patch.deinitialize()

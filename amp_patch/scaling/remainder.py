@@ -185,8 +185,9 @@ class RemainderMasters:
 
 
 def _free(master):
-    """Leave ``master`` its shape (so grads can be assigned) over one fp32 element of storage."""
-    master.data = torch.zeros((), dtype=torch.float32, device=master.device).expand(master.shape)
+    """Leave ``master`` its shape (so grads can be assigned and clipped) over one fp32 element of storage, a NaN:
+    its value is not there between steps, and reading it must not look like a weight of zero."""
+    master.data = torch.full((), float("nan"), dtype=torch.float32, device=master.device).expand(master.shape)
 
 
 class JoinedMaster:

@@ -144,7 +144,7 @@ def masters_out_of_sync():
     """
     bad = []
     for i, (state, model_p, master) in enumerate(_master_pairs()):
-        if not torch.equal(state.to_model(model_p, master), model_p.detach()):
+        if state.out_of_sync(model_p, master):
             bad.append(f"param {i}")
     return bad
 

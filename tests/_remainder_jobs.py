@@ -105,9 +105,12 @@ def ddp_modes(rank, world, modes=("remainder", "split"), opt_name="adamw", steps
         model, opt = setup(mode, opt_name, seed=rank)  # different weights per rank: the broadcast must fix them
         try:
             ddp = DDP(model)
+            stale = amp_patch.distributed.masters_out_of_sync()  # DDP gave rank 1 rank 0's half weights
             amp_patch.distributed.broadcast_master_params()
+            synced = amp_patch.distributed.masters_out_of_sync()
             losses, skipped = train_steps(model, opt, steps, rank=rank, forward=ddp)
-            results[mode] = {"losses": losses, "skipped": skipped, **snapshot(model, opt)}
+            results[mode] = {"losses": losses, "skipped": skipped, "stale": stale, "synced": synced,
+                             **snapshot(model, opt)}
         finally:
             del ddp
             amp_patch.deinitialize()

@@ -102,8 +102,10 @@ def test_the_planted_ties_matter():
 
 def test_ddp_two_ranks_remainder_is_bitwise_split(tmp_path):
     results = w.run_ranks("_remainder_jobs:ddp_modes", tmp_path, timeout=120.0)
-    for rank_result in results:
+    for rank, rank_result in enumerate(results):
         _assert_same(rank_result["remainder"], rank_result["split"])
+        for mode in ("remainder", "split"):  # rank 1 built other weights; rank 0 got its own back from DDP
+            assert bool(rank_result[mode]["stale"]) == (rank == 1) and rank_result[mode]["synced"] == [], mode
     for a, b in zip(results[0]["remainder"]["params"], results[1]["remainder"]["params"]):
         assert torch.equal(a, b)  # the ranks agree (rank 1 started from other weights)
 
@@ -292,3 +294,20 @@ def test_the_experiment_runs_o2_remainder_only_when_named():
         assert session.props.master_storage == "remainder" and variant.opt_level == "O2"
     finally:
         variant.close()
+
+
+def test_weights_written_outside_amp_patch_are_out_of_sync_but_loads_and_steps_are_not():
+    model, opt = jobs.setup("remainder", "sgd")
+    try:
+        assert amp_patch.distributed.masters_out_of_sync() == []
+        model.load_state_dict(model.state_dict())
+        assert amp_patch.distributed.masters_out_of_sync() == []
+        with torch.no_grad():
+            model[0].weight.copy_(model[0].weight)  # the same values again: still in sync
+            assert amp_patch.distributed.masters_out_of_sync() == []
+            model[2].bias.add_(1.0)
+        assert amp_patch.distributed.masters_out_of_sync() == ["param 3"]
+        jobs.train_steps(model, opt, 1, inf_at=None)  # the step writes every weight from its master again
+        assert amp_patch.distributed.masters_out_of_sync() == []
+    finally:
+        amp_patch.deinitialize()

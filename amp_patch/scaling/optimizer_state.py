@@ -100,6 +100,10 @@ class OptimizerState:
         """The half value ``model_p`` gets from its master (the session's rounding rule)."""
         return self.storage.to_model(model_p, public_master)
 
+    def out_of_sync(self, model_p, public_master):
+        """Does ``model_p`` no longer hold what its master gives it (e.g. DDP broadcast rank 0's weights)?"""
+        return self.storage.out_of_sync(model_p, public_master)
+
     def master_params(self):
         self._sync_groups()
         for group in self.optimizer.param_groups:

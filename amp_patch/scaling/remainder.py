@@ -118,6 +118,9 @@ class Fp32Masters:
         """The value ``model_p`` gets from ``master`` (after a load or a broadcast)."""
         return round_split(master) if self.rounding == "split" else master.detach().to(model_p.dtype)
 
+    def out_of_sync(self, model_p, master):
+        return not torch.equal(self.to_model(model_p, master), model_p.detach())
+
     def release(self, pairs):
         pass
 
@@ -130,6 +133,7 @@ class RemainderMasters:
     def __init__(self):
         self.remainders = {}  # id(master) -> int16 tensor
         self.live = set()  # id(master) of masters joined now (inside step())
+        self.marks = {}  # id(master) -> (model param's _version, checksum or None) when amp_patch last wrote it
 
     def adopt(self, model_p, master):
         if model_p.dtype is not torch.bfloat16:
@@ -141,6 +145,7 @@ class RemainderMasters:
         with torch.no_grad():
             split_(master.detach(), model_p.data, remainder)
         self.remainders[id(master)] = remainder
+        self._mark(model_p, master, checksum=True)
         _free(master)
 
     def before_step(self, pairs):
@@ -155,6 +160,7 @@ class RemainderMasters:
             with torch.no_grad():
                 for model_p, master in pairs:
                     split_(master.data, model_p.data, self.remainders[id(master)], nan_safe)
+                    self._mark(model_p, master)
         self.release(pairs)
 
     def release(self, pairs):
@@ -176,12 +182,31 @@ class RemainderMasters:
             split_(fp32, model_p.data, self.remainders[id(master)])
             if id(master) in self.live:
                 master.data.copy_(fp32)
+        self._mark(model_p, master, checksum=True)  # (load_state_dict then copies the same weight in again)
+
+    def _mark(self, model_p, master, checksum=False):
+        self.marks[id(master)] = (model_p._version, _checksum(model_p) if checksum else None)
+
+    def out_of_sync(self, model_p, public):
+        """Was ``model_p`` written outside amp_patch (e.g. DDP's broadcast of rank 0's weights) since amp_patch
+        last wrote it? Then the remainder belongs to another weight. The version counter tells; after a load or
+        at initialize a checksum tells a copy of the same values (DDP broadcasting equal weights) from others."""
+        version, checksum = self.marks[id(public._master)]
+        if model_p._version == version:
+            return False
+        return checksum is None or not torch.equal(_checksum(model_p), checksum)
 
     def public(self, model_p, master):
         return JoinedMaster(self, model_p, master)
 
     def to_model(self, model_p, master):
         return model_p.detach().clone()
+
+
+def _checksum(weight):
+    """Two int64 sums of the 16-bit words (all, and every other one): no temporary copy."""
+    words = weight.detach().view(torch.int16).view(-1)
+    return torch.stack([words.sum(dtype=torch.int64), words[::2].sum(dtype=torch.int64)])
 
 
 def _free(master):

@@ -325,7 +325,7 @@ def _log_configuration(props, verbosity):
         log.info("opt_level %s, half dtype %s, cast_model_type %s, patch_torch_functions %s, "
                  "keep_batchnorm_fp32 %s, master_weights %s, loss_scale %s", props.opt_level,
                  props.half_dtype, props.cast_model_type, props.patch_torch_functions, props.keep_batchnorm_fp32,
-                 props.master_weights, props.loss_scale)
+                 "remainder" if props.master_storage == "remainder" else props.master_weights, props.loss_scale)
 
 
 def deinitialize():

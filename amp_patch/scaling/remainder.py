@@ -24,7 +24,6 @@ import torch
 
 from ..errors import UsageError
 
-ROUNDINGS = ("nearest", "split")
 _LITTLE = sys.byteorder == "little"
 
 
@@ -120,9 +119,6 @@ class Fp32Masters:
 
     def out_of_sync(self, model_p, master):
         return not torch.equal(self.to_model(model_p, master), model_p.detach())
-
-    def release(self, pairs):
-        pass
 
 
 class RemainderMasters:

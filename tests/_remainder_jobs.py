@@ -1,7 +1,8 @@
 """The training loop tests/test_remainder.py runs under each O2 master storage (also on 2 gloo ranks).
 
-Every initial weight has half of its elements planted on an exact bf16 tie (low 16 bits 0x8000), where the
-split rule and torch's round-to-nearest-even disagree: a wrong tie rule or a wrong join shows at the first step.
+Every initial weight, and every master after each completed step, has half of its elements planted on an exact
+bf16 tie (low 16 bits 0x8000), where the split rule and torch's round-to-nearest-even disagree: a wrong tie rule
+or a wrong join shows at once.
 A step holds two losses (loss ids 0 and 1, two scale_loss blocks accumulating into the same grads, the first
 sometimes with delay_unscale), clips through ``amp_patch.master_params`` and, at step 2, overflows (skipped).
 """
@@ -50,9 +51,20 @@ def batch(step, micro, rank=0):
     return torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
 
 
+def _plant_ties_after_update(opt, args, kwargs):
+    """A step post-hook registered before initialize, so it runs before amp_patch's: every completed step leaves
+    ties in the (fp32) masters, which amp_patch's own post-hook then rounds to the model (and splits)."""
+    if not amp_patch.last_step_skipped(opt):
+        with torch.no_grad():
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    plant_ties(p)
+
+
 def setup(mode, opt_name, seed=0):
     model = make_model(seed)
     opt = OPTIMIZERS[opt_name](model.parameters())
+    opt.register_step_post_hook(_plant_ties_after_update)
     model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, num_losses=2,
                                       loss_scale="dynamic", verbosity=0, **MODES[mode])
     return model, opt

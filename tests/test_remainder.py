@@ -1,5 +1,7 @@
 """O2 remainder masters (master_weights="remainder"): the split rule, and bitwise equivalence with fp32-master O2
 rounded by the same rule (master_rounding="split"). The training loop lives in tests/_remainder_jobs.py."""
+import os
+
 import pytest
 import torch
 
@@ -44,6 +46,34 @@ def test_the_fast_split_of_finite_masters_is_the_exact_split():
     split_(finite.clone(), fast_w, fast_r, nan_safe=False)
     assert torch.equal(fast_w.view(torch.int16), weight.view(torch.int16)) and torch.equal(fast_r, rem)
     assert torch.equal(join(fast_w, fast_r).view(torch.int32), finite.view(torch.int32))
+
+
+def _check_all_low_halves(first_high, count):
+    """Every low half under ``count`` high halves from ``first_high``: exact join, and the weight rule."""
+    bits = (torch.arange(first_high, first_high + count, dtype=torch.int64)[:, None] << 16
+            | torch.arange(0x10000)[None, :]).view(-1)
+    bits = torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)
+    master = bits.view(torch.float32)
+    weight, rem = split(master)
+    ok = ~torch.isnan(master)
+    assert torch.equal(join(weight, rem).view(torch.int32)[ok], bits[ok])
+    expected = ((bits.to(torch.int64) & 0xFFFFFFFF) >> 16) + ((bits & 0xFFFF) >= 0x8000).to(torch.int64)
+    assert torch.equal((weight.view(torch.int16).to(torch.int64) & 0xFFFF)[ok], expected[ok])
+    assert torch.isnan(weight[~ok].float()).all()
+
+
+@pytest.mark.skipif(os.environ.get("AMP_PATCH_EXHAUSTIVE") != "1",
+                    reason="opt-in (AMP_PATCH_EXHAUSTIVE=1): 256 chunks of 2**24 patterns, 7 s each on the loaded 2-core CI box")
+def test_split_join_over_all_2_to_32_bit_patterns():
+    for first in range(0, 0x10000, 256):
+        _check_all_low_halves(first, 256)
+
+
+def test_every_low_half_around_the_edges_of_the_high_halves():
+    """All 65536 low halves under the high halves of zero, the smallest normals, one, the largest finite, inf
+    and NaN, positive and negative (the full 2**32 check is opt-in above)."""
+    for first in (0x0000, 0x007F, 0x3F7F, 0x7F7E, 0x7FFE, 0x8000, 0x807F, 0xBF7F, 0xFF7E, 0xFFFE):
+        _check_all_low_halves(first, 2)
 
 
 def test_nan_stays_nan_and_inf_stays_inf():

@@ -110,7 +110,8 @@ def _master_pairs():
     if session is None or not session.enabled:
         raise UsageError("amp_patch.distributed.broadcast_master_params() needs an initialized session; call "
                          "amp_patch.initialize(...) first, then wrap the model in DistributedDataParallel")
-    return [pair for state in session.opt_states.values() for pair in state.pairs]
+    return [(state, model_p, master) for state in session.opt_states.values()
+            for model_p, master in state.public_pairs()]
 
 
 def broadcast_master_params(src=0, group=None):
@@ -128,9 +129,11 @@ def broadcast_master_params(src=0, group=None):
     if dist is None or not pairs:
         return
     with torch.no_grad():
-        for model_p, master in pairs:
-            dist.broadcast(master.data, src=src, group=group)
-            model_p.copy_(master)
+        for state, model_p, master in pairs:
+            value = master.detach()  # a real fp32 master's own storage, or a remainder master joined
+            dist.broadcast(value, src=src, group=group)
+            master.copy_(value)
+            model_p.copy_(state.to_model(model_p, master))
 
 
 def masters_out_of_sync():
@@ -141,8 +144,8 @@ def masters_out_of_sync():
     left behind: call :func:`broadcast_master_params`.
     """
     bad = []
-    for i, (model_p, master) in enumerate(_master_pairs()):
-        if not torch.equal(master.detach().to(model_p.dtype), model_p.detach()):
+    for i, (state, model_p, master) in enumerate(_master_pairs()):
+        if state.out_of_sync(model_p, master):
             bad.append(f"param {i}")
     return bad
 

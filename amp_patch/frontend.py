@@ -13,6 +13,7 @@ from .models import CallOnForward, ModelPatch
 from .casting.oplist import load_op_lists
 from .opt_levels import resolve
 from .scaling.optimizer_state import OptimizerState
+from .scaling.remainder import make_storage
 from .casting.patcher import Patcher
 from .casting.registry import REGISTRY
 from .diagnostics import OverflowDiagnoser, StepHistory
@@ -30,7 +31,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                cast_model_outputs=None, num_losses=1, verbosity=1, min_loss_scale=None, max_loss_scale=2.0 ** 24,
                *, half_dtype=None, op_lists=None, allow_banned=False, growth_factor=2.0, backoff_factor=0.5,
                growth_interval=2000, hysteresis=1, keep_fp32_modules=(), log_all_ranks=False,
-               diagnose_overflow=False, history_size=1000, allow_incoming_model_not_fp32=False):
+               diagnose_overflow=False, history_size=1000, allow_incoming_model_not_fp32=False,
+               master_rounding=None):
     """Set up mixed precision for ``models`` and ``optimizers`` (Apex's signature plus keyword-only extras).
 
     Returns the models and optimizers in the structure they were passed (only
@@ -50,7 +52,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     props = resolve(opt_level, half_dtype=half_dtype, keep_fp32_modules=keep_fp32_modules,
                     cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
-                    loss_scale=loss_scale, cast_model_outputs=cast_model_outputs)
+                    loss_scale=loss_scale, cast_model_outputs=cast_model_outputs, master_rounding=master_rounding)
     props, fsdp_groups, unsharded = distributed.check_fsdp_at_initialize(model_list, props, master_weights)
     # every argument is checked before anything is touched: a ConfigError leaves the models as they were
     _check_optimizers_train_models(props, model_list, opt_list)
@@ -233,7 +235,9 @@ def _restore_values(session, patch):
 
 def _attach_optimizers(session, optimizers, fp32_data):
     for opt in optimizers:
-        state = OptimizerState(opt, master_weights=session.props.master_weights, fp32_data=fp32_data)
+        props = session.props
+        state = OptimizerState(opt, master_weights=props.master_weights, fp32_data=fp32_data,
+                               storage=make_storage(props.master_storage, props.master_rounding))
         session.opt_states[id(opt)] = state
         session.undo.append(state.restore)
 
@@ -242,11 +246,22 @@ def _link_masters(session):
     """state_dict()/load_state_dict() use the masters, or the kept fp32 data of params no optimizer holds yet
     (called again by attach_optimizers: the later hooks, with the masters, decide)."""
     masters = session.masters()
+    to_model = _model_rounding(session)
     for patch in session.model_patches:
-        patch.link_state_dict({**session.fp32_data, **masters})
+        patch.link_state_dict({**session.fp32_data, **masters}, to_model)
     if masters:
         session.undo.append(distributed.track_no_sync(session))
         session.undo.append(distributed.follow_ddp_broadcast(session))  # DDP built later: masters follow rank 0
+
+
+def _model_rounding(session):
+    """For loading a model state_dict: the half value a param gets from its master, by its optimizer's rule
+    (None when every master is rounded as torch casts: the loaded value is then cast by torch itself)."""
+    states = [s for s in session.opt_states.values() if s.pairs]
+    if all(s.storage.persistent and s.storage.rounding == "nearest" for s in states):
+        return None
+    owner = {id(p): s for s in states for p, _ in s.pairs}
+    return lambda param, master: owner[id(param)].to_model(param, master) if id(param) in owner else master
 
 
 def _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor, backoff_factor,
@@ -355,7 +370,7 @@ def _log_configuration(props, verbosity):
         log.info("opt_level %s, half dtype %s, cast_model_type %s, patch_torch_functions %s, "
                  "keep_batchnorm_fp32 %s, master_weights %s, loss_scale %s", props.opt_level,
                  props.half_dtype, props.cast_model_type, props.patch_torch_functions, props.keep_batchnorm_fp32,
-                 props.master_weights, props.loss_scale)
+                 "remainder" if props.master_storage == "remainder" else props.master_weights, props.loss_scale)
 
 
 def deinitialize():

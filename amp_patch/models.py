@@ -183,11 +183,13 @@ class StateDictHook(SessionHook):
     """state_dict post-hook: what amp_patch cast, in its original dtype (the master where there is one, with the
     in-place edits of the half model since the last step carried into it: see :func:`carry_edits`)."""
 
-    def __init__(self, restored):
+    def __init__(self, restored, to_model=None):
         self.restored = restored  # (name, original dtype, master or None, param)
+        self.to_model = to_model  # (param, master) -> the half value the param got from its master (None: a cast)
 
     def __call__(self, module, state_dict, prefix, local_metadata):
-        carry_edits([(param, master) for _, _, master, param in self.restored if master is not None], strict=False)
+        carry_edits([(param, master) for _, _, master, param in self.restored if isinstance(master, torch.Tensor)],
+                    strict=False, to_model=self.to_model)
         for name, dtype, master, _ in self.restored:
             value = state_dict.get(prefix + name)
             if master is not None:
@@ -199,22 +201,27 @@ class StateDictHook(SessionHook):
 class LoadMastersHook(SessionHook):
     """load_state_dict pre-hook: loading also writes the masters (in place, so tied params stay tied)."""
 
-    def __init__(self, restored):
+    def __init__(self, restored, to_model=None):
         self.restored = restored
+        self.to_model = to_model  # (param, master) -> the half value the param gets (None: torch's cast of the value)
 
     def __call__(self, module, state_dict, prefix, *unused):
         with torch.no_grad():
-            for name, _, master, _ in self.restored:
+            for name, _, master, param in self.restored:
                 value = state_dict.get(prefix + name)
                 if master is not None and isinstance(value, torch.Tensor) and value.shape == master.shape:
                     master.copy_(value)
+                    if self.to_model is not None:
+                        state_dict[prefix + name] = self.to_model(param, master)
 
 
-def carry_edits(pairs, strict=True):
+def carry_edits(pairs, strict=True, to_model=None):
     """Master weights (O2): carry into the fp32 masters what changed in the half model params since the masters
     were last copied into them (WGAN's ``p.data.clamp_(-c, c)``, weight surgery through ``.data``), elementwise,
     so the next step does not silently undo it. Called before each step and at deinitialize (``strict=False``:
-    a param whose shape changed is left to its master); unchanged params cost one compare."""
+    a param whose shape changed is left to its master); unchanged params cost one compare. ``to_model(param,
+    master)``: the half value the param got from its master (default torch's cast; ``master_rounding="split"``
+    rounds ties otherwise, and a tie must not read as an edit)."""
     with torch.no_grad():
         for param, master in pairs:
             if param.shape != master.shape and not strict:
@@ -225,7 +232,7 @@ def carry_edits(pairs, strict=True):
                     "since initialize; its fp32 master (in amp_patch.master_params(optimizer)) cannot follow. "
                     "Resize the model before amp_patch.initialize(), or edit the masters (and build a new "
                     "optimizer and session) instead")
-            rounded = master.to(param.dtype)
+            rounded = master.to(param.dtype) if to_model is None else to_model(param, master)
             bits, rounded_bits = _bits(param), _bits(rounded)  # (bitwise: a NaN weight is no edit)
             if torch.equal(bits, rounded_bits):
                 continue
@@ -298,10 +305,11 @@ class ModelPatch:
                 self.handles.append(module.register_forward_pre_hook(CastArgsTo(), with_kwargs=True))
                 self.handles.append(module.register_forward_hook(CastOutputsLike(self.like, half)))
 
-    def link_state_dict(self, masters):
+    def link_state_dict(self, masters, to_model=None):
         """state_dict() holds what amp_patch cast in its original dtype under every name (tied params included):
         the fp32 masters where there are (O2), else an upcast copy (O3, as Apex's state_dict hook did).
-        load_state_dict() also writes the masters (in place, so tied params stay tied)."""
+        load_state_dict() also writes the masters (in place, so tied params stay tied); ``to_model(param,
+        master)``, if given, is the half value the model param then gets (else torch's cast of the loaded one)."""
         if not self.original_dtypes and not self.buffers:
             return
         params, buffers = _names_by_id(self.model)
@@ -310,8 +318,8 @@ class ModelPatch:
             restored += [(name, dtype, masters.get(pid), param) for name in params.get(pid, ())]
         for module, name, _, dtype in self.buffers:
             restored += [(path + name, dtype, None, None) for path in buffers.get(id(module), ())]
-        self.handles.append(self.model.register_state_dict_post_hook(StateDictHook(restored)))
-        self.handles.append(self.model.register_load_state_dict_pre_hook(LoadMastersHook(restored)))
+        self.handles.append(self.model.register_state_dict_post_hook(StateDictHook(restored, to_model)))
+        self.handles.append(self.model.register_load_state_dict_pre_hook(LoadMastersHook(restored, to_model)))
 
     def restore(self, masters=None):
         """Remove the hooks and give params/buffers back their dtypes (params get the master values; after a

@@ -26,6 +26,8 @@ class Properties:
     half_dtype: torch.dtype
     cast_model_outputs: object = None
     keep_fp32_modules: tuple = ()
+    master_storage: str = "fp32"  # "fp32" (masters kept between steps) or "remainder" (bf16 weight + int16)
+    master_rounding: str = "nearest"  # how fp32 masters reach the half model: "nearest" (torch) or "split"
 
     @property
     def dynamic(self):
@@ -84,10 +86,13 @@ def _check_o1_overrides(o):
                           "are already the master weights; leave master_weights=None, or use opt_level='O2'.")
 
 
-def resolve(opt_level, *, half_dtype=None, keep_fp32_modules=(), **overrides):
+def resolve(opt_level, *, half_dtype=None, keep_fp32_modules=(), master_rounding=None, **overrides):
     """Apply Apex's defaults for ``opt_level`` and the user's ``overrides`` (None means 'not given')."""
     opt_level = check_opt_level(opt_level)
     given = {k: v for k, v in overrides.items() if v is not None}
+    storage = _check_master_storage(opt_level, given.get("master_weights"))
+    if storage == "remainder":
+        del given["master_weights"]
     if "keep_batchnorm_fp32" in given:
         given["keep_batchnorm_fp32"] = _parse_bool_like(given["keep_batchnorm_fp32"], "keep_batchnorm_fp32")
     if opt_level == "O1":
@@ -106,8 +111,47 @@ def resolve(opt_level, *, half_dtype=None, keep_fp32_modules=(), **overrides):
         props["cast_model_type"] = half_dtype
     props["loss_scale"] = parse_loss_scale(props["loss_scale"])
     props["master_weights"] = bool(props["master_weights"])
+    rounding = _check_master_rounding(master_rounding, storage, props, half_dtype)
+    if storage == "remainder" and half_dtype is not torch.bfloat16:
+        raise ConfigError(f"master_weights='remainder' with half_dtype={half_dtype}: only a bfloat16 weight is the "
+                          "top 16 bits of its fp32 master (float16 has other exponent bits), so the 16-bit "
+                          "remainder cannot make it exact. Pass half_dtype=torch.bfloat16, or master_weights=True "
+                          "for float16 with fp32 masters")
     return Properties(opt_level=opt_level, half_dtype=half_dtype, cast_model_outputs=overrides.get("cast_model_outputs"),
-                      keep_fp32_modules=_check_module_types(keep_fp32_modules), **props)
+                      keep_fp32_modules=_check_module_types(keep_fp32_modules), master_storage=storage,
+                      master_rounding=rounding, **props)
+
+
+def _check_master_storage(opt_level, master_weights):
+    """``master_weights``: True/False/None (Apex) or ``"remainder"`` (O2, bf16): 'fp32' or 'remainder'."""
+    if master_weights is None or isinstance(master_weights, bool):
+        return "fp32"
+    if master_weights != "remainder":
+        raise ConfigError(f"master_weights={master_weights!r}; allowed: True, False, None (the opt level's default) "
+                          "or 'remainder' (O2 with bfloat16: bf16 weights plus int16 remainders as exact masters)")
+    if opt_level != "O2":
+        raise ConfigError(f"master_weights='remainder' with opt_level={opt_level!r}: remainder masters are a way "
+                          "to hold O2's fp32 master weights, which only O2 has. Use opt_level='O2', "
+                          "half_dtype=torch.bfloat16")
+    return "remainder"
+
+
+def _check_master_rounding(rounding, storage, props, half_dtype):
+    """``master_rounding``: how fp32 masters are rounded to the half model ('nearest' or 'split')."""
+    if rounding is None:
+        return "split" if storage == "remainder" else "nearest"
+    if rounding not in ("nearest", "split"):
+        raise ConfigError(f"master_rounding={rounding!r}; allowed: 'nearest' (torch's round-to-nearest-even copy, "
+                          "the default) or 'split' (round half away from zero on the low 16 bits, as "
+                          "master_weights='remainder' does)")
+    if storage == "remainder" and rounding != "split":
+        raise ConfigError("master_rounding='nearest' with master_weights='remainder': the remainder masters round "
+                          "by the split rule only; drop master_rounding, or use master_weights=True")
+    if rounding == "split" and not (props["master_weights"] and half_dtype is torch.bfloat16
+                                    and props["cast_model_type"] is torch.bfloat16):
+        raise ConfigError("master_rounding='split' applies to fp32 master weights copied to a bfloat16 model "
+                          "(opt_level='O2', half_dtype=torch.bfloat16, master_weights=True); drop it here")
+    return rounding
 
 
 def _resolve_half_dtype(half_dtype, cast_model_type):

@@ -10,6 +10,8 @@ import amp_patch
 from ..errors import ConfigError
 
 VARIANTS = ("fp32", "O1", "O2", "O3", "native")
+#: opt-in variants (named in ``variants=``/``--variants``, not run by default): initialize's extra keywords
+EXTRA_VARIANTS = {"O2-remainder": dict(opt_level="O2", master_weights="remainder")}
 _TO_COPY = torch.ops.aten._to_copy.default
 
 
@@ -24,18 +26,19 @@ def parse_variants(variants):
     names = []
     for raw in variants:
         name = "fp32" if str(raw).strip() == "O0" else str(raw).strip()
-        if name not in VARIANTS:
-            raise ConfigError(f"variant {raw!r}; allowed: {', '.join(VARIANTS)} (O0 is an alias of fp32)"
+        if name not in VARIANTS and name not in EXTRA_VARIANTS:
+            raise ConfigError(f"variant {raw!r}; allowed: {', '.join(VARIANTS + tuple(EXTRA_VARIANTS))} (O0 is "
+                              "an alias of fp32; O2-remainder, bfloat16 only, runs only when named)"
                               + _case_hint(name))
         if name not in names:
             names.append(name)
     if not names:
-        raise ConfigError(f"no variants given; allowed: {', '.join(VARIANTS)}")
+        raise ConfigError(f"no variants given; allowed: {', '.join(VARIANTS + tuple(EXTRA_VARIANTS))}")
     return tuple(names)
 
 
 def _case_hint(name):
-    for known in VARIANTS + ("O0",):
+    for known in VARIANTS + tuple(EXTRA_VARIANTS) + ("O0",):
         if name.lower() == known.lower():
             return f". Variant names are case-sensitive, like initialize's opt_level: use {known!r}"
     return ""
@@ -45,12 +48,12 @@ class AmpVariant:
     """fp32 (O0), O1, O2 or O3 through amp_patch.initialize / scale_loss."""
 
     def __init__(self, variant, half_dtype, device):
-        self.opt_level = "O0" if variant == "fp32" else variant
+        self.kwargs = EXTRA_VARIANTS.get(variant, {"opt_level": "O0" if variant == "fp32" else variant})
+        self.opt_level = self.kwargs["opt_level"]
         self.half_dtype = half_dtype
 
     def setup(self, model, optimizer):
-        return amp_patch.initialize(model, optimizer, opt_level=self.opt_level, half_dtype=self.half_dtype,
-                                    verbosity=0)
+        return amp_patch.initialize(model, optimizer, half_dtype=self.half_dtype, verbosity=0, **self.kwargs)
 
     def forward_context(self):
         return contextlib.nullcontext()

@@ -29,15 +29,17 @@ from .. import distributed
 from ..casting.wrappers import HALF_DTYPES
 from ..errors import UsageError
 from ..models import carry_edits
+from .remainder import Fp32Masters
 from .unscale import unscale_
 
 
 class OptimizerState:
     """What amp_patch tracks for one optimizer passed to ``initialize``."""
 
-    def __init__(self, optimizer, *, master_weights, fp32_data=None):
+    def __init__(self, optimizer, *, master_weights, fp32_data=None, storage=None):
         self.optimizer = optimizer
         self.master_weights = master_weights
+        self.storage = storage or Fp32Masters()  # where masters live between steps (scaling/remainder.py)
         self.pairs = []  # (model param, fp32 master)
         self._master_of = {}
         self._master_ids = set()
@@ -55,6 +57,7 @@ class OptimizerState:
         self.threads = set()  # idents of the threads that ran scale_loss / step / zero_grad on it (see used_by)
         self.busy = {}  # thread ident -> "scale_loss" / "optimizer.step()" while one is open there (deinitialize)
         self._known_groups = 0
+        self._param_count = 0
         self._handles = []
         try:  # a fault while making masters leaves no master in the optimizer
             self._sync_groups(fp32_data or {})
@@ -70,12 +73,17 @@ class OptimizerState:
         groups = self.optimizer.param_groups
         if not self.master_weights or len(groups) == self._known_groups:
             return
+        if self._known_groups and not self.storage.persistent:
+            raise UsageError(f"{type(self.optimizer).__name__}.add_param_group() after initialize(master_weights="
+                             "'remainder'): the remainder masters are set up once, at initialize. Build the "
+                             "optimizer with every param group before initialize, or use master_weights=True")
         for group in groups[self._known_groups:]:
             params = group["params"]
             for i, p in enumerate(params):
                 if p.dtype in HALF_DTYPES and id(p) not in self._master_of:
                     params[i] = self._make_master(p, (fp32_data or {}).get(id(p)))
         self._known_groups = len(groups)
+        self._param_count = sum(len(g["params"]) for g in groups)
 
     def _make_master(self, param, data):
         data = data if data is not None else param.detach().float()
@@ -86,10 +94,24 @@ class OptimizerState:
         self.pairs.append((param, master))
         self._master_of[id(param)] = master
         self._master_ids.add(id(master))
+        self.storage.adopt(param, master)
         return master
 
     def masters_by_model_param(self):
-        return dict(self._master_of)
+        """id(model param) -> its master as state_dict()/deinitialize/the DDP helpers read and write it."""
+        return {id(p): self.storage.public(p, m) for p, m in self.pairs}
+
+    def public_pairs(self):
+        """(model param, master as masters_by_model_param gives it) for every half param."""
+        return [(p, self.storage.public(p, m)) for p, m in self.pairs]
+
+    def to_model(self, model_p, public_master):
+        """The half value ``model_p`` gets from its master (the session's rounding rule)."""
+        return self.storage.to_model(model_p, public_master)
+
+    def out_of_sync(self, model_p, public_master):
+        """Does ``model_p`` no longer hold what its master gives it (e.g. DDP broadcast rank 0's weights)?"""
+        return self.storage.out_of_sync(model_p, public_master)
 
     def master_params(self):
         self._sync_groups()
@@ -260,7 +282,7 @@ class OptimizerState:
     # -- step hooks -----------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs):
         self._sync_groups()
-        carry_edits(self.pairs)  # (in-place edits of the half model since the last copy reach the masters)
+        self._carry_edits()
         self.claim()
         self.busy[threading.get_ident()] = "optimizer.step()"
         self.check_foreign("optimizer.step()")
@@ -277,6 +299,8 @@ class OptimizerState:
             self.note_update(scaler, memento, found)
         self.last_skipped = self.skip_next
         self.skip_next = False
+        self._check_groups_unchanged()
+        self.storage.before_step(self.pairs)
         if self.last_skipped:
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -289,9 +313,7 @@ class OptimizerState:
         self.undo_updates.clear()
         if self.engine is not None:
             self.engine.resume_after_step()
-        if self.pairs and not self.last_skipped:
-            with torch.no_grad():
-                torch._foreach_copy_([p for p, _ in self.pairs], [m for _, m in self.pairs])
+        self.storage.after_step(self.pairs, self.last_skipped)
         self._clear_master_grads()
         self.masters_stale = bool(self.pairs)
 
@@ -302,12 +324,29 @@ class OptimizerState:
         for _, master in self.pairs:
             master.grad = None
 
+    def _carry_edits(self, strict=True):
+        """In-place edits of the half model since the last copy reach the fp32 masters (remainder masters need
+        nothing: the bf16 weight is their high half, so an edit is in the master already)."""
+        if self.storage.persistent:
+            carry_edits(self.pairs, strict, self.storage.to_model)
+
+    def _check_groups_unchanged(self):
+        """Remainder masters: refuse param groups whose params changed since initialize (cheap: counts)."""
+        if self.storage.persistent or not self.pairs:
+            return
+        count = sum(len(g["params"]) for g in self.optimizer.param_groups)
+        if count != self._param_count:
+            raise UsageError(f"{type(self.optimizer).__name__}.param_groups hold {count} params, but "
+                             f"{self._param_count} at initialize(master_weights='remainder'); the remainder "
+                             "masters are set up once. Build the optimizer with every param before initialize, "
+                             "or use master_weights=True")
+
     # -- teardown -------------------------------------------------------------------------------
     def restore(self):
         """Remove the hooks and put the model params back into param_groups (with the masters' state)."""
         while self._handles:
             self._handles.pop().remove()
-        carry_edits(self.pairs, strict=False)  # (a clip after the last step is kept: deinitialize gives the masters)
+        self._carry_edits(strict=False)  # (a clip after the last step is kept: deinitialize gives the masters)
         state = self.optimizer.state
         for param, master in self.pairs:
             if master in state:

@@ -201,7 +201,11 @@ def o3(rank):
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
+        bn = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8))
+        amp_patch.fully_shard(bn, opt_level="O3", half_dtype=HALF)
+        bn_out = bn(torch.randn(4, 6))
         return {"dtypes": sorted({str(p.dtype) for p in model.parameters()}), "grad_dtypes": grad_dtypes,
+                "bn": (str(bn[1].running_mean.dtype), str(bn[1].weight.dtype), bool(torch.isfinite(bn_out).all())),
                 "losses": losses, "masters_are_params": [id(p) for p in amp_patch.master_params(opt)]
                 == [id(p) for p in model.parameters()],
                 "changed": [not torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters())]}

@@ -106,6 +106,7 @@ def test_o3_on_fsdp2_half_params_half_grads_no_masters(ranks):
         o3 = rank["o3"]
         assert o3["dtypes"] == o3["grad_dtypes"] == ["torch.float16"]
         assert o3["masters_are_params"] and all(o3["changed"])
+        assert o3["bn"] == ("torch.float16", "torch.float16", True)  # buffers cast too, as plain O3
         assert all(torch.isfinite(torch.tensor(o3["losses"])))
 
 

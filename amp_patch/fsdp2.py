@@ -270,7 +270,8 @@ def _check_o3(groups, props):
         compute = policy.param_dtype or dtype
         if dtype is torch.float32 and compute in HALF_DTYPES:
             raise UsageError(f"opt_level={props.opt_level!r} on FSDP2: group {name!r} holds fp32 sharded params "
-                             "computed in half, which is O2's layout (fp32 masters). Pass opt_level='O2' for it, "
+                             "computed in half, which is O2's layout (fp32 masters). Pass opt_level='O2' (with "
+                             "master_weights left at its default) for it, "
                              "or shard with amp_patch.fully_shard(model, opt_level='O3') for half params without "
                              "masters")
         if dtype in HALF_DTYPES:

@@ -20,10 +20,21 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 STOP = random.randrange(1, jobs.STEPS)  # where the resumed run checkpoints (reported in failures)
 
 
+class _Scenarios(dict):
+    """One rank's results; a scenario that raised fails the tests reading it, with its traceback."""
+
+    def __getitem__(self, name):
+        result = dict.__getitem__(self, name)
+        if isinstance(result, dict) and "error" in result:
+            pytest.fail(f"scenario {name!r} raised on a rank:\n{result['error']}")
+        return result
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     path = tmp_path_factory.mktemp("fsdp2")
-    return w.run_ranks("_fsdp2_jobs:main", path, timeout=120, stop=STOP, path=str(path / "ckpt"))
+    results = w.run_ranks("_fsdp2_jobs:main", path, timeout=120, stop=STOP, path=str(path / "ckpt"))
+    return [_Scenarios(r) for r in results]
 
 
 def test_o2_on_fsdp2_follows_ddp_o2(ranks):

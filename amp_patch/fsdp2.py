@@ -8,6 +8,7 @@ sharded model and tells ``initialize`` not to cast it and to keep no master copy
 group until ``fully_shard`` is called; sharding (like DDP wrapping) is not undone by ``deinitialize``.
 """
 import dataclasses
+import itertools
 import logging
 
 import torch
@@ -159,13 +160,13 @@ def _has_params(module):
 
 
 def _cast_for_o3(module, plan):
-    """O3: half params (no masters) except in kept-fp32 modules, before sharding (not undone)."""
-    kept = {id(p) for m in module.modules() if plan.keep_types and isinstance(m, plan.keep_types)
-            for p in m.parameters()}
+    """O3: half params and buffers (no masters) except in kept-fp32 modules, before sharding (not undone)."""
+    kept = {id(t) for m in module.modules() if plan.keep_types and isinstance(m, plan.keep_types)
+            for t in itertools.chain(m.parameters(), m.buffers())}
     with torch.no_grad():
-        for p in module.parameters():
-            if id(p) not in kept and p.is_floating_point():
-                p.data = p.data.to(plan.cast_to)
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            if id(t) not in kept and t.is_floating_point():
+                t.data = t.data.to(plan.cast_to)
 
 
 # -- what initialize checks ---------------------------------------------------------------------------------
@@ -269,7 +270,8 @@ def _check_o3(groups, props):
         compute = policy.param_dtype or dtype
         if dtype is torch.float32 and compute in HALF_DTYPES:
             raise UsageError(f"opt_level={props.opt_level!r} on FSDP2: group {name!r} holds fp32 sharded params "
-                             "computed in half, which is O2's layout (fp32 masters). Pass opt_level='O2' for it, "
+                             "computed in half, which is O2's layout (fp32 masters). Pass opt_level='O2' (with "
+                             "master_weights left at its default) for it, "
                              "or shard with amp_patch.fully_shard(model, opt_level='O3') for half params without "
                              "masters")
         if dtype in HALF_DTYPES:

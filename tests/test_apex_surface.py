@@ -74,3 +74,100 @@ def test_apex_norm_functions_are_importable_with_apexs_signatures():
     assert torch.equal(fused_layer_norm_affine(x, w, b, (4,)), F.layer_norm(x, (4,), w, b, 1e-6))
     half = mixed_dtype_fused_rms_norm_affine(x.detach().half(), w, (4,))
     assert half.dtype is torch.float16
+
+
+def _old_adam_reference(p, g, m, v, step, lr, betas, eps, wd, combined, eps_inside, bias_correction):
+    """The pre-October-2019 kernel, written out in float64 for one param."""
+    b1, b2 = betas
+    g = g.double() / combined
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    denom = (v + eps).sqrt() if eps_inside else v.sqrt() + eps
+    size = lr * (1 - b2 ** step) ** 0.5 / (1 - b1 ** step) if bias_correction else lr
+    return p.double() - size * (m / denom + wd * p.double()), m, v
+
+
+@pytest.mark.parametrize("eps_inside_sqrt", [False, True])
+def test_pre_2019_fused_adam_step_with_grads_output_params_scale_and_grad_norms(eps_inside_sqrt):
+    from amp_patch.legacy.apex.optimizers import FusedAdam
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5))
+    opt = FusedAdam([p], lr=0.1, betas=(0.8, 0.9), eps=1e-3, eps_inside_sqrt=eps_inside_sqrt, weight_decay=0.01,
+                    max_grad_norm=1.0)
+    half_copy = torch.zeros(5, dtype=torch.float16)
+    ref_p, m, v = p.detach().double(), torch.zeros(5, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)
+    for step in (1, 2):
+        grad = (torch.randn(5) * 64.0).half()  # scaled by 8; norm / 8 > max_grad_norm: clipped
+        norm = float(grad.float().norm())
+        opt.step(grads=[grad], output_params=[half_copy], scale=8.0, grad_norms=[norm])
+        combined = 8.0 * ((norm / 8.0 + 1e-6) / 1.0)
+        ref_p, m, v = _old_adam_reference(ref_p, grad, m, v, step, 0.1, (0.8, 0.9), 1e-3, 0.01, combined,
+                                          eps_inside_sqrt, True)
+        torch.testing.assert_close(p.detach().double(), ref_p, rtol=1e-5, atol=1e-6)
+        assert torch.equal(half_copy, p.detach().half())
+    assert opt.state[p]["step"] == 2
+
+
+def test_hf_06_style_fp16_optimizer_over_old_fused_adam_trains():
+    """pytorch-pretrained-BERT 0.6 with --fp16: model.half(), FusedAdam(..., bias_correction=False,
+    max_grad_norm=1.0) wrapped in apex.optimizers.FP16_Optimizer(dynamic_loss_scale=True), optimizer.backward(loss),
+    per-step lr in param_groups, step, zero_grad."""
+    with legacy.install_apex_alias():
+        from apex.optimizers import FP16_Optimizer, FusedAdam
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).half()
+    groups = [{"params": [p for n, p in model.named_parameters() if "bias" not in n], "weight_decay": 0.01},
+              {"params": [p for n, p in model.named_parameters() if "bias" in n], "weight_decay": 0.0}]
+    optimizer = FP16_Optimizer(FusedAdam(groups, lr=0.05, bias_correction=False, max_grad_norm=1.0),
+                               dynamic_loss_scale=True)
+    x, y = torch.randn(16, 4).half(), torch.randn(16, 1).half()
+    losses, skipped = [], 0
+    for step in range(30):  # (the dynamic scale starts at 2**32: the first ~17 steps overflow and are skipped)
+        loss = F.mse_loss(model(x).float(), y.float())
+        optimizer.backward(loss)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.05 * (1 - step / 30)
+        optimizer.step()
+        skipped += optimizer.overflow
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(p.dtype is torch.float16 for p in model.parameters())
+    assert 10 < skipped < 25 and losses[-1] < losses[0] * 0.8, (skipped, losses)
+
+
+def test_bert_resume_and_post_accumulation_internals():
+    """NVIDIA BERT: optimizer._lazy_init_maybe_master_weights(), optimizer._amp_stash on resume and after an
+    overflow, and _amp_state.loss_scalers[0]._overflow_buf / update_scale() for --allreduce_post_accumulation."""
+    from amp_patch.legacy import amp_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert not hasattr(optimizer, "_amp_stash")
+    model, optimizer = legacy.amp.initialize(model, optimizer, opt_level="O2", loss_scale="dynamic", verbosity=0)
+    try:
+        optimizer._lazy_init_maybe_master_weights()
+        optimizer._amp_stash.lazy_init_called = True
+        stash = optimizer._amp_stash
+        assert stash.all_fp32_from_fp16_params == list(legacy.amp.master_params(optimizer))
+        assert stash.all_fp16_params == list(model.parameters()) and stash.all_fp32_from_fp32_params == []
+        with pytest.raises(AttributeError):
+            torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)._amp_stash  # not initialized
+
+        scaler = amp_state.AMP_STATE.loss_scalers[0]
+        scaler._loss_scale = 128.0
+        with legacy.amp.scale_loss(model(torch.ones(2, 3)).float().sum(), optimizer) as scaled:
+            scaled.backward()
+        flag = torch.zeros(1, dtype=torch.int)
+        scaler._overflow_buf = flag
+        assert scaler.update_scale() is False and scaler.loss_scale() == 128.0  # no double counting
+        flag.fill_(1)  # the script's own all-reduced grads overflowed
+        assert scaler.update_scale() is True and scaler.loss_scale() == 64.0
+        before = [p.detach().clone() for p in legacy.amp.master_params(optimizer)]
+        optimizer.step()
+        assert amp_patch.last_step_skipped(optimizer)
+        assert all(torch.equal(a, b) for a, b in zip(before, legacy.amp.master_params(optimizer)))
+    finally:
+        amp_patch.deinitialize()
+    assert not hasattr(optimizer, "_amp_stash") and not hasattr(torch.optim.Optimizer, "_amp_stash")

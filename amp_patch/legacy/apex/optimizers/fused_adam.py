@@ -2,6 +2,7 @@
 from ... import amp_C
 from ....errors import ConfigError, UsageError
 from ._base import FusedOptimizer, advance_step, by_device, closure_loss, fp32_buffer, note_no_effect, refuse_amsgrad
+from ._legacy_adam import legacy_step
 
 
 class FusedAdam(FusedOptimizer):
@@ -12,12 +13,23 @@ class FusedAdam(FusedOptimizer):
     ``weight_decay``. ``amsgrad=True`` is refused as Apex refused it. ``capturable`` only changed how
     Apex's CUDA kernel was launched (accepted, no effect); ``master_weights``/``use_master`` is refused:
     use ``amp_patch.initialize(..., opt_level="O2")`` for fp32 master weights.
+
+    The pre-October-2019 form (``eps_inside_sqrt=`` / ``max_grad_norm=`` given by keyword, and
+    ``step(grads=, output_params=, scale=, grad_norms=)``) runs that version's update
+    (:mod:`._legacy_adam`): L2 decay inside the update, eps not bias-corrected, clipping by ``max_grad_norm``.
     """
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
                  weight_decay=0.0, amsgrad=False, set_grad_none=True, capturable=False, master_weights=False,
-                 use_master=False):
+                 use_master=False, *, eps_inside_sqrt=None, max_grad_norm=None):
         refuse_amsgrad("FusedAdam", amsgrad)
+        self.legacy = eps_inside_sqrt is not None or max_grad_norm is not None
+        if self.legacy:
+            defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
+                            max_grad_norm=float(max_grad_norm or 0.0), eps_inside_sqrt=bool(eps_inside_sqrt))
+            FusedOptimizer.__init__(self, params, defaults, set_grad_none=False)
+            self.adam_w_mode, self.capturable = 0, False
+            return
         if master_weights or use_master:
             raise ConfigError("FusedAdam(master_weights=True): keeping fp32 master weights inside the optimizer "
                               "is not provided; pass the optimizer to amp_patch.initialize(model, optimizer, "
@@ -31,9 +43,14 @@ class FusedAdam(FusedOptimizer):
 
     def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None, grad_scaler=None):
         """One Adam step for every param with a grad; returns ``closure()``'s loss when given one."""
+        if self.legacy:
+            loss = closure_loss(closure)
+            legacy_step(self, grads, output_params, 1.0 if scale is None else scale, grad_norms)
+            return loss
         if any(x is not None for x in (grads, output_params, scale, grad_norms)):
-            raise UsageError("FusedAdam.step() takes no grads/output_params/scale/grad_norms (Apex's old API): "
-                             "build it like torch.optim.Adam and call step() with no arguments.")
+            raise UsageError("FusedAdam.step(grads=/output_params=/scale=/grad_norms=) is the pre-October-2019 "
+                             "API: build the optimizer that way too (FusedAdam(..., max_grad_norm=..., "
+                             "eps_inside_sqrt=...)), or call step() with no arguments.")
         loss = closure_loss(closure)
         for group in self.param_groups:
             items = self._with_grads(group)

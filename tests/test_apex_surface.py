@@ -171,3 +171,43 @@ def test_bert_resume_and_post_accumulation_internals():
     finally:
         amp_patch.deinitialize()
     assert not hasattr(optimizer, "_amp_stash") and not hasattr(torch.optim.Optimizer, "_amp_stash")
+
+
+def test_amp_c_update_scale_hysteresis_as_apexs_l0_test():
+    from amp_patch.legacy.amp_C import update_scale_hysteresis as update
+
+    init, growth, backoff, interval, hyst = 2.0 ** 10, 2.0, 0.5, 5, 3
+    scale = torch.tensor([init])
+    growth_tracker, hyst_tracker = torch.tensor([0], dtype=torch.int32), torch.tensor([hyst], dtype=torch.int32)
+    found = torch.tensor([1.0])
+
+    def run(n):
+        for _ in range(n):
+            update(scale, growth_tracker, hyst_tracker, found, growth, backoff, interval, hyst)
+
+    run(hyst - 1)
+    assert scale.item() == init  # hysteresis: not yet
+    found.zero_()
+    run(interval - 1)
+    assert scale.item() == init  # not yet a full growth interval (and the hysteresis tracker is reset)
+    found.fill_(1)
+    run(hyst + 7)
+    assert scale.item() == init * backoff ** 8  # one backoff when the tracker hits 0, then one per inf
+    found.zero_()
+    before = scale.item()
+    run(interval + 12)
+    assert scale.item() == before * growth ** 3 and growth_tracker.item() == 2
+
+
+def test_amp_c_multi_tensor_unscale_l2norm_leaves_the_tensors_alone():
+    from amp_patch.legacy.amp_C import multi_tensor_unscale_l2norm
+
+    a, b = torch.full((7,), 4.0, dtype=torch.float16), torch.full((5,), 4.0)
+    flag = torch.zeros(1, dtype=torch.int)
+    norm, per = multi_tensor_unscale_l2norm(2048 * 32, flag, [[a, b]], torch.tensor([0.25]), True)
+    torch.testing.assert_close(norm, torch.full((12,), 1.0).norm().reshape(1))
+    torch.testing.assert_close(per, torch.stack([torch.ones(7).norm(), torch.ones(5).norm()]))
+    assert flag.item() == 0 and torch.equal(a, torch.full((7,), 4.0, dtype=torch.float16))
+    a[0] = float("inf")
+    multi_tensor_unscale_l2norm(2048 * 32, flag, [[a, b]], torch.tensor([0.25]), False)
+    assert flag.item() == 1

@@ -211,3 +211,47 @@ def test_amp_c_multi_tensor_unscale_l2norm_leaves_the_tensors_alone():
     a[0] = float("inf")
     multi_tensor_unscale_l2norm(2048 * 32, flag, [[a, b]], torch.tensor([0.25]), False)
     assert flag.item() == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_adam_master_weights_keeps_fp32_masters_of_half_params(dtype):
+    """FusedAdam(master_weights=True) (Apex 2023+): the half param is the cast of an fp32 master that follows
+    exactly what fp32 FusedAdam does with the same grads."""
+    from amp_patch.legacy.apex.optimizers import FusedAdam
+
+    torch.manual_seed(0)
+    ref = torch.nn.Parameter(torch.randn(6))
+    half = torch.nn.Parameter(ref.detach().to(dtype))
+    ref.data.copy_(half.detach().float())  # both start from the same (representable) values
+    opt_ref, opt = FusedAdam([ref], lr=0.01), FusedAdam([half], lr=0.01, master_weights=True)
+    for _ in range(3):
+        grad = torch.randn(6).to(dtype)
+        ref.grad, half.grad = grad.float(), grad
+        opt_ref.step()
+        opt.step()
+        master = opt.state[half]["master_param"]
+        assert master.dtype is torch.float32 and torch.equal(master, ref.detach())
+        assert torch.equal(half.detach(), ref.detach().to(dtype))
+
+
+def test_fused_mixed_precision_lamb_updates_bf16_params_through_fp32_masters():
+    from amp_patch.legacy.apex.optimizers import FusedLAMB, FusedMixedPrecisionLamb
+
+    torch.manual_seed(0)
+    refs = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    halves = [torch.nn.Parameter(r.detach().to(torch.bfloat16)) for r in refs]
+    for r, h in zip(refs, halves):
+        r.data.copy_(h.detach().float())
+    opt_ref = FusedLAMB(refs, lr=0.01, weight_decay=0.01)
+    opt = FusedMixedPrecisionLamb(halves, lr=0.01, weight_decay=0.01, reduced_precision_dtype=torch.bfloat16)
+    for _ in range(2):
+        for r, h in zip(refs, halves):
+            h.grad = torch.randn_like(r).to(torch.bfloat16)
+            r.grad = h.grad.float()
+        opt_ref.step()
+        opt.step()
+    for r, h in zip(refs, halves):
+        torch.testing.assert_close(opt.state[h]["master_param"], r.detach(), rtol=1e-6, atol=1e-7)
+        assert h.dtype is torch.bfloat16
+    with pytest.raises(amp_patch.UsageError, match="unscale"):
+        opt.step(grad_scaler=object())

@@ -1,7 +1,8 @@
 """``apex.optimizers.FusedAdam``: Adam / AdamW with Apex's arguments and state layout, on foreach math."""
 from ... import amp_C
 from ....errors import ConfigError, UsageError
-from ._base import FusedOptimizer, advance_step, by_device, closure_loss, fp32_buffer, note_no_effect, refuse_amsgrad
+from ._base import (FusedOptimizer, advance_step, by_device, closure_loss, fp32_buffer, note_no_effect, refuse_amsgrad,
+                    update_targets)
 from ._legacy_adam import legacy_step
 
 
@@ -28,18 +29,15 @@ class FusedAdam(FusedOptimizer):
             defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
                             max_grad_norm=float(max_grad_norm or 0.0), eps_inside_sqrt=bool(eps_inside_sqrt))
             FusedOptimizer.__init__(self, params, defaults, set_grad_none=False)
-            self.adam_w_mode, self.capturable = 0, False
+            self.adam_w_mode, self.capturable, self.master_weights = 0, False, False
             return
-        if master_weights or use_master:
-            raise ConfigError("FusedAdam(master_weights=True): keeping fp32 master weights inside the optimizer "
-                              "is not provided; pass the optimizer to amp_patch.initialize(model, optimizer, "
-                              "opt_level='O2'), which keeps fp32 masters for every half param.")
         if capturable:
             note_no_effect("FusedAdam", capturable=capturable)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, set_grad_none)
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.capturable = capturable
+        self.master_weights = bool(master_weights or use_master)
 
     def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None, grad_scaler=None):
         """One Adam step for every param with a grad; returns ``closure()``'s loss when given one."""
@@ -59,10 +57,12 @@ class FusedAdam(FusedOptimizer):
             step = advance_step(group)
             beta1, beta2 = group["betas"]
             for device, pairs in by_device(items).items():
-                lists = [[p.grad for p, _ in pairs], [p for p, _ in pairs],
+                targets, write_back = update_targets(pairs, self.master_weights)
+                lists = [[p.grad for p, _ in pairs], targets,
                          [fp32_buffer(p, s, "exp_avg") for p, s in pairs],
                          [fp32_buffer(p, s, "exp_avg_sq") for p, s in pairs]]
                 amp_C.multi_tensor_adam(0, self._noop_flag(device), lists, group["lr"], beta1, beta2,
                                         group["eps"], step, self.adam_w_mode, 1 if group["bias_correction"] else 0,
                                         group["weight_decay"])
+                write_back()
         return loss

@@ -35,3 +35,21 @@ def per_rank_seeds(rank, world):
             amp_patch.deinitialize()
             del ddp
     return out
+
+
+def syncbn_plain_ddp(rank, world):
+    """apex.parallel.convert_syncbn_model, then plain torch DDP on CPU (gloo): torch refuses its own SyncBatchNorm
+    there; Apex's (a _BatchNorm) is accepted and all-reduces its statistics."""
+    from amp_patch.legacy.apex.parallel import convert_syncbn_model
+
+    torch.manual_seed(0)
+    model = convert_syncbn_model(torch.nn.Sequential(torch.nn.Conv2d(2, 3, 1), torch.nn.BatchNorm2d(3)))
+    ddp = DDP(model)
+    x = torch.randn(2, 2, 4, 4, generator=torch.Generator().manual_seed(rank))
+    out = ddp(x)
+    out.sum().backward()
+    return {"running_mean": model[1].running_mean.clone(), "grad": model[0].weight.grad.clone()}
+
+
+def issue19(rank, world):
+    return {"seeds": per_rank_seeds(rank, world), "syncbn": syncbn_plain_ddp(rank, world)}

@@ -1,4 +1,4 @@
-"""Issue 19 item 4: O2 masters agree across DDP ranks built from different seeds (2 gloo ranks, 3 steps)."""
+"""Issue 19 item 4: O2 masters agree across DDP ranks built from different seeds (2 gloo ranks, 3 steps); item 6:\nApex's SyncBatchNorm under plain torch DDP on CPU."""
 import pytest
 import torch
 
@@ -7,11 +7,22 @@ import _dist_worker as w
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 
-def test_o2_ranks_seeded_differently_train_bitwise_identical_weights(tmp_path):
-    rank0, rank1 = w.run_ranks("_apex_dist_jobs:per_rank_seeds", tmp_path, timeout=60)
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return w.run_ranks("_apex_dist_jobs:issue19", tmp_path_factory.mktemp("issue19"), timeout=90)
+
+
+def test_o2_ranks_seeded_differently_train_bitwise_identical_weights(ranks):
+    rank0, rank1 = (r["seeds"] for r in ranks)
     for wrapper in ("torch", "apex"):
         for key in ("params", "masters", "momentum"):
             a, b = rank0[wrapper][key], rank1[wrapper][key]
             assert len(a) == len(b) == 4
             assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b)), (wrapper, key)
         assert {p.dtype for p in rank0[wrapper]["params"]} == {torch.float16}
+
+
+def test_apex_syncbn_is_accepted_by_plain_torch_ddp_on_cpu_and_syncs(ranks):
+    rank0, rank1 = (r["syncbn"] for r in ranks)
+    assert torch.equal(rank0["running_mean"], rank1["running_mean"])  # statistics all-reduced over both ranks
+    assert torch.equal(rank0["grad"], rank1["grad"])  # DDP averaged the grads

@@ -86,3 +86,19 @@ def test_amp_init_reads_the_lists_too_and_a_replaced_list_is_compared_with_apexs
     assert torch.ones(2, dtype=torch.float16).sum().dtype is torch.float16  # Tensor.sum no longer forced to float
     assert torch.sum(torch.ones(2, dtype=torch.float16)).dtype is torch.float32  # torch.sum still is
     handle._deactivate()
+
+
+def test_the_lists_hold_what_the_shipped_apex_op_list_holds():
+    """Every name of Apex's Python lists is in the shipped ``apex`` op list with the same category (where this
+    torch has it), so an edit changes exactly the entry it names."""
+    table = amp_patch.load_op_lists("apex")
+    skipped = {(s.entry.target, s.entry.name) for s in table.skipped}
+    mismatched = []
+    for target, category, names in amp_lists._lists():
+        for item in names.pristine:
+            name = item[0] if isinstance(item, tuple) else item
+            if (target, name) in skipped:
+                continue
+            if table.category_of(target, name) != category:
+                mismatched.append((target, name, category, table.category_of(target, name)))
+    assert mismatched == []

@@ -203,8 +203,6 @@ def test_argument_checks_name_the_fix():
     p = [torch.nn.Parameter(torch.zeros(2))]
     with pytest.raises(ConfigError, match="max_grad_norm=float"):
         FusedLAMB(p, max_grad_norm=0.0)
-    with pytest.raises(ConfigError, match="O2"):
-        FusedAdam(p, master_weights=True)
     with pytest.raises(ConfigError, match="Nesterov"):
         FusedSGD(p, lr=0.1, nesterov=True)
     with pytest.raises(ConfigError, match="norm_type"):

@@ -14,6 +14,7 @@ import math
 import torch
 
 __all__ = ["multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_l2norm_scale",
+           "multi_tensor_unscale_l2norm", "update_scale_hysteresis",
            "multi_tensor_adam",
            "multi_tensor_sgd", "multi_tensor_lamb", "multi_tensor_novograd", "multi_tensor_adagrad"]
 
@@ -114,6 +115,43 @@ def multi_tensor_l2norm_scale(chunk_size, noop_flag, tensor_lists, scale, per_te
     norms = multi_tensor_l2norm(chunk_size, noop_flag, [tensor_lists[0]], per_tensor)
     multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale)
     return norms
+
+
+def multi_tensor_unscale_l2norm(chunk_size, noop_flag, tensor_lists, inv_scale, per_tensor=False):
+    """:func:`multi_tensor_l2norm` of ``tensors * inv_scale`` (``inv_scale``: a one-element tensor or a number);
+    the tensors are left as they are."""
+    tensors = tensor_lists[0]
+    factor = inv_scale.reshape(-1)[0].float() if isinstance(inv_scale, torch.Tensor) else float(inv_scale)
+    with torch.no_grad():
+        scaled = torch._foreach_mul([t.float() for t in tensors], factor) if tensors else []
+    return multi_tensor_l2norm(chunk_size, noop_flag, [scaled], per_tensor)
+
+
+def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
+                            backoff_factor, growth_interval, hysteresis):
+    """Apex's scale update with hysteresis, in place on one-element tensors (scale fp32, trackers int32, found_inf
+    fp32): an inf decrements the hysteresis tracker and backs the scale off once it reaches 0; ``growth_interval``
+    clean steps in a row grow it (never to inf); a clean step resets the hysteresis tracker. Returns the scale."""
+    found = bool(found_inf.item() > 0)
+    with torch.no_grad():
+        if found:
+            hysteresis_tracker.sub_(1)
+            if hysteresis_tracker.item() > 0:
+                growth_tracker.zero_()
+                return current_scale
+            current_scale.mul_(backoff_factor)
+            growth_tracker.zero_()
+        else:
+            successful = int(growth_tracker.item()) + 1
+            if successful == growth_interval:
+                grown = current_scale * growth_factor
+                if bool(torch.isfinite(grown).all()):
+                    current_scale.copy_(grown)
+                growth_tracker.zero_()
+            else:
+                growth_tracker.fill_(successful)
+            hysteresis_tracker.fill_(hysteresis)
+    return current_scale
 
 
 # -- optimizer kernels ---------------------------------------------------------------------------

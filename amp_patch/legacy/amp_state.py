@@ -4,13 +4,16 @@ Nothing is stored here: every read goes to the active session (``amp_patch._stat
 every write goes to the live object it names.
 
 - ``loss_scalers[i].loss_scale()``, ``._loss_scale`` (read and write), ``._unskipped``
-  (read and write), ``.dynamic``: the session's loss scaler ``i``.
+  (read and write), ``.dynamic``: the session's loss scaler ``i``; ``._overflow_buf`` (read, or replace with
+  one's own flag tensor) and ``.update_scale()`` for NVIDIA BERT's post-accumulation all-reduce recipe.
 - ``handle._deactivate()``: ``amp_patch.deinitialize()`` (a no-op without a session); ``handle.is_active()``.
 - ``opt_properties.opt_level`` / ``.loss_scale`` / ``.master_weights`` / ...: the resolved options (read only).
 - ``allow_incoming_model_not_fp32`` (read and write): the switch ``initialize`` honours before refusing a
   model that arrives in half.
 - ``min_loss_scale`` / ``max_loss_scale``: scaler 0's bounds.
 """
+import torch
+
 from .. import _state
 from ..errors import NotInitializedError, UsageError
 from ..frontend import deinitialize
@@ -70,6 +73,35 @@ class ScalerView:
     @property
     def _has_overflow(self):
         return self._scaler.last_overflow
+
+    @property
+    def _overflow_buf(self):
+        """Apex's int flag tensor; a script may swap in its own (NVIDIA BERT's ``--allreduce_post_accumulation``)
+        and then call :meth:`update_scale`. By default it holds the last overflow."""
+        buf = vars(self).get("_buf")
+        return buf if buf is not None else torch.tensor([int(self._scaler.last_overflow)], dtype=torch.int)
+
+    @_overflow_buf.setter
+    def _overflow_buf(self, value):
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise UsageError(f"_amp_state.loss_scalers[{self._scaler.loss_id}]._overflow_buf = {value!r}: it must "
+                             "be a one-element tensor (Apex's int flag, nonzero after an overflow)")
+        vars(self)["_buf"] = value
+
+    def update_scale(self):
+        """Apex's ``update_scale()``: True when the step must be skipped. amp_patch's ``scale_loss`` exit already
+        updated the scaler for this iteration; an overflow only the script's own ``_overflow_buf`` saw (e.g. in
+        its post-accumulation all-reduce) is added now: the scale backs off and the session's next steps are
+        skipped. Without a new overflow nothing changes (no double counting)."""
+        if self._scaler.last_overflow:
+            return True
+        buf = vars(self).get("_buf")
+        if buf is None or not bool(buf.item()):
+            return False
+        self._scaler.update(True)
+        for state in _session("loss_scalers").opt_states.values():
+            state.skip_next = True
+        return True
 
     def _write(self, **values):
         """Change the live scaler through its validated state_dict path (bad values raise ConfigError)."""

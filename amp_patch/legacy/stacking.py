@@ -22,7 +22,7 @@ import logging
 import torch
 
 from .. import _state
-from . import amp_lists
+from . import amp_lists, amp_stash
 from ..errors import UsageError
 from ..frontend import _check_incoming_fp32, deinitialize
 from ..frontend import initialize as _initialize
@@ -51,8 +51,18 @@ def initialize(*args, **kwargs):
     if session is not None:
         _close_incompatible(session, call)
     result = _initialize(models, optimizers, **with_list_edits(call))
-    record(_state.current())["calls"] = dict(call)
+    _opened(_state.current(), dict(call), [])
     return result
+
+
+def _opened(session, calls, handles):
+    """What this layer adds to a session it opened: its record, and Apex's optimizer internals."""
+    now = record(session)
+    now["calls"], now["handles"] = calls, handles
+    for handle in handles:
+        handle._session = session
+    if session.enabled:
+        amp_stash.install(session)
 
 
 def with_list_edits(call):
@@ -158,11 +168,7 @@ def _add_to(session, models, optimizers, call):
         log.error("amp.initialize() could not add the new models to the open session; the earlier models and "
                   "optimizers were restored to fp32 and are no longer managed")
         raise
-    now = record(_state.current())
-    now["calls"] = {**kept["calls"], **call}
-    now["handles"] = kept["handles"]
-    for handle in kept["handles"]:
-        handle._session = _state.current()
+    _opened(_state.current(), {**kept["calls"], **call}, kept["handles"])
     log.info("amp.initialize() added %d model(s) and %d optimizer(s) to the open session (now %d and %d); the loss "
              "scalers are this call's fresh ones, as in Apex", len(fresh), len(new_optimizers), len(all_models),
              len(all_optimizers))

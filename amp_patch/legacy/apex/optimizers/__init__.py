@@ -5,11 +5,12 @@ with ``torch._foreach_*`` (any device). Use them alone or as the optimizer passe
 from here)."""
 from .fused_adagrad import FusedAdagrad
 from .fused_adam import FusedAdam
-from .fused_lamb import FusedLAMB
+from .fused_lamb import FusedLAMB, FusedMixedPrecisionLamb
 from .fused_novograd import FusedNovoGrad
 from .fused_sgd import FusedSGD
 
-__all__ = ["FusedAdam", "FusedSGD", "FusedLAMB", "FusedNovoGrad", "FusedAdagrad", "FP16_Optimizer"]
+__all__ = ["FusedAdam", "FusedSGD", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedNovoGrad", "FusedAdagrad",
+           "FP16_Optimizer"]
 
 
 def __getattr__(name):

@@ -83,3 +83,26 @@ def by_device(items):
     for p, state in items:
         out.setdefault(p.device, []).append((p, state))
     return out
+
+
+def update_targets(pairs, master_weights):
+    """The tensors an update writes, and the callable that copies them back: the params themselves, or (Apex's
+    ``master_weights=True``) an fp32 master kept in ``state["master_param"]`` for each half param."""
+    if not master_weights:
+        return [p for p, _ in pairs], lambda: None
+    targets = []
+    for p, state in pairs:
+        if p.dtype in (torch.float16, torch.bfloat16):
+            if "master_param" not in state:
+                state["master_param"] = p.detach().float().clone()
+            targets.append(state["master_param"])
+        else:
+            targets.append(p)
+
+    def write_back():
+        with torch.no_grad():
+            for (p, _), target in zip(pairs, targets):
+                if target is not p:
+                    p.copy_(target)
+
+    return targets, write_back

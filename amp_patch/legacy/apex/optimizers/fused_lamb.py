@@ -2,8 +2,8 @@
 import torch
 
 from ... import amp_C
-from ....errors import ConfigError
-from ._base import FusedOptimizer, advance_step, by_device, closure_loss, fp32_buffer, refuse_amsgrad
+from ....errors import ConfigError, UsageError
+from ._base import FusedOptimizer, advance_step, by_device, closure_loss, fp32_buffer, refuse_amsgrad, update_targets
 
 
 class FusedLAMB(FusedOptimizer):
@@ -32,6 +32,7 @@ class FusedLAMB(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none)
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.use_nvlamb = use_nvlamb
+        self.master_weights = False
 
     def step(self, closure=None):
         """One LAMB step for every param with a grad; returns ``closure()``'s loss when given one."""
@@ -60,7 +61,8 @@ class FusedLAMB(FusedOptimizer):
         step = advance_step(group)
         beta1, beta2 = group["betas"]
         for device, pairs in by_device(items).items():
-            lists = [[p.grad for p, _ in pairs], [p for p, _ in pairs], [], []]
+            targets, write_back = update_targets(pairs, self.master_weights)
+            lists = [[p.grad for p, _ in pairs], targets, [], []]
             for p, state in pairs:
                 lists[2].append(fp32_buffer(p, state, "exp_avg"))
                 lists[3].append(fp32_buffer(p, state, "exp_avg_sq"))
@@ -68,4 +70,30 @@ class FusedLAMB(FusedOptimizer):
                                     step, 1 if group["bias_correction"] else 0, group["weight_decay"],
                                     1 if group["grad_averaging"] else 0, self.adam_w_mode, global_norm.to(device),
                                     self.defaults["max_grad_norm"], self.use_nvlamb)
+            write_back()
 
+
+
+class FusedMixedPrecisionLamb(FusedLAMB):
+    """Apex's FusedMixedPrecisionLamb: :class:`FusedLAMB` whose reduced-precision (fp16/bf16) params are updated
+    through fp32 masters kept in their state (``state["master_param"]``) and then cast back. ``step=`` sets the
+    starting step count; ``reduced_precision_dtype`` is accepted (the params' own dtype decides). ``step()`` takes
+    no ``grad_scaler``: unscale first (``scaler.unscale_(optimizer)``) or use amp_patch's ``scale_loss``."""
+
+    def __init__(self, params, lr=1e-3, step=0, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
+                 weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0,
+                 use_nvlamb=False, reduced_precision_dtype=None):
+        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                         weight_decay=weight_decay, amsgrad=amsgrad, adam_w_mode=adam_w_mode,
+                         grad_averaging=grad_averaging, max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb)
+        self.master_weights = True
+        self.reduced_precision_dtype = reduced_precision_dtype
+        for group in self.param_groups:
+            group["step"] = int(step)
+
+    def step(self, closure=None, grad_scaler=None):
+        if grad_scaler is not None:
+            raise UsageError("FusedMixedPrecisionLamb.step(grad_scaler=...) is not provided: unscale the grads "
+                             "first (scaler.unscale_(optimizer), then scaler.step(optimizer)) or train through "
+                             "amp_patch.scale_loss")
+        return super().step(closure)

@@ -22,20 +22,29 @@ def _refuse_channel_last(channel_last):
                           "channel_last=False.")
 
 
-class SyncBatchNorm(torch.nn.SyncBatchNorm):
+class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     """Apex's signature: ``SyncBatchNorm(num_features, eps=1e-5, momentum=0.1, affine=True,
-    track_running_stats=True, process_group=None, channel_last=False, fuse_relu=False)``."""
+    track_running_stats=True, process_group=None, channel_last=False, fuse_relu=False)``.
+
+    A ``_BatchNorm`` as Apex's was (not a ``torch.nn.SyncBatchNorm`` subclass: torch's DDP refuses those on CPU),
+    running torch's SyncBatchNorm forward where torch supports the device, so plain
+    ``torch.nn.parallel.DistributedDataParallel`` accepts it on CPU (gloo) too."""
+
+    _check_input_dim = torch.nn.SyncBatchNorm._check_input_dim
+    _check_non_zero_input_channels = torch.nn.SyncBatchNorm._check_non_zero_input_channels
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
                  process_group=None, channel_last=False, fuse_relu=False):
         _refuse_channel_last(channel_last)
         super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
-                         track_running_stats=track_running_stats, process_group=process_group)
+                         track_running_stats=track_running_stats)
+        self.process_group = process_group
         self.channel_last = channel_last
         self.fuse_relu = fuse_relu
 
     def forward(self, input, z=None):
-        out = self._synced_on_cpu(input) if self._needs_cpu_sync(input) else super().forward(input)
+        sync = self._needs_cpu_sync(input)
+        out = self._synced_on_cpu(input) if sync else torch.nn.SyncBatchNorm.forward(self, input)
         if z is not None:
             out = out + z
         return torch.relu(out) if self.fuse_relu else out

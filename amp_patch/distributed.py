@@ -219,21 +219,23 @@ def _syncing_init(original, session):
 
 
 def _broadcast_module_masters(ddp, session):
-    """Give the masters of ``ddp.module``'s params (not those DDP ignores) DDP's source rank's values."""
-    masters = session.masters()
+    """Give the masters of ``ddp.module``'s params (not those DDP ignores) DDP's source rank's values, and their
+    model params the half values the session's rounding rule gives (remainder masters: split, as they store)."""
     ignored = getattr(ddp, "parameters_to_ignore", set())
-    pairs = [(p, masters[id(p)]) for name, p in ddp.module.named_parameters()
-             if id(p) in masters and name not in ignored]
+    wanted = {id(p) for name, p in ddp.module.named_parameters() if name not in ignored}
+    pairs = [(state, model_p, master) for state in session.opt_states.values()
+             for model_p, master in state.public_pairs() if id(model_p) in wanted]
     if not pairs:
         return
     group = ddp.process_group
     src = torch.distributed.get_global_rank(group, 0)
-    flat = torch._utils._flatten_dense_tensors([master.detach() for _, master in pairs])
+    values = [master.detach() for _, _, master in pairs]
+    flat = torch._utils._flatten_dense_tensors(values)
     torch.distributed.broadcast(flat, src=src, group=group)
     with torch.no_grad():
-        for (model_p, master), value in zip(pairs, torch._utils._unflatten_dense_tensors(flat, [m for _, m in pairs])):
+        for (state, model_p, master), value in zip(pairs, torch._utils._unflatten_dense_tensors(flat, values)):
             master.copy_(value)
-            model_p.copy_(master)
+            model_p.copy_(state.to_model(model_p, master))
 
 
 def _counting_no_sync(original, session):

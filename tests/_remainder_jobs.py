@@ -117,7 +117,7 @@ def ddp_modes(rank, world, modes=("remainder", "split"), opt_name="adamw", steps
         model, opt = setup(mode, opt_name, seed=rank)  # different weights per rank: the broadcast must fix them
         try:
             ddp = DDP(model)
-            stale = amp_patch.distributed.masters_out_of_sync()  # DDP gave rank 1 rank 0's half weights
+            stale = amp_patch.distributed.masters_out_of_sync()  # DDP's broadcast reached the masters too
             amp_patch.distributed.broadcast_master_params()
             synced = amp_patch.distributed.masters_out_of_sync()
             losses, skipped = train_steps(model, opt, steps, rank=rank, forward=ddp)

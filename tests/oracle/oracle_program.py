@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 FEATURES = ("inplace", "views", "out", "data_write", "no_grad", "checkpoint", "multi_backward", "deepcopy",
-            "state_dict", "fp32_region")
+            "state_dict", "fp32_region", "freeze", "grad_eval")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BUF_DTYPES = ("torch.float32", "half", "x.dtype")  # the dtype of an out= buffer, by the op's arg
 
@@ -190,6 +190,7 @@ class Program:
         compound = {"ckpt": "checkpoint", "fp32_region": "fp32_region"}
         used = {compound[op.kind] if op.kind in compound else OPS[op.kind][0] for op in _flat(self.ops)}
         used |= {STEP_FEATURES[s.kind] for s in self.steps}
+        used |= {"grad_eval" for s in self.steps if s.kind == "eval" and s.args[1] == 2}
         used |= {"multi_backward" for s in self.steps if s.kind == "train" and s.args[0] > 1}
         return sorted(f for f in used if f)
 
@@ -205,4 +206,4 @@ def _flat(ops):
 
 
 STEP_FEATURES = {"train": None, "eval": "no_grad", "data": "data_write", "deepcopy": "deepcopy",
-                 "state_dict": "state_dict"}
+                 "state_dict": "state_dict", "freeze": "freeze"}

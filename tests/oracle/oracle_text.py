@@ -12,7 +12,9 @@ OPTIM_TEXT = {"sgd": "torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
 DATA_TEXT = ("model.{p}.data = randn_like(model.{p}, seed={s})",
              "model.{p}.data.copy_(randn_like(model.{p}, seed={s}))",
              "torch.nn.utils.vector_to_parameters(randn(n_params, seed={s}), model.parameters())",
-             "for p in model.parameters(): p.data.clamp_(-0.2, 0.2)")
+             "for p in model.parameters(): p.data.clamp_(-0.2, 0.2)",
+             "with torch.no_grad(): model.{p}.mul_(0.5)",
+             "with torch.no_grad(): model.{p}.set_(randn_like(model.{p}, seed={s}))")
 SD_TEXT = ("model.load_state_dict(model.state_dict())",
            "model.load_state_dict({{k: randn_like(v, seed={s}+i) for i, (k, v) in enumerate(sd.items())}})",
            "torch.save(model.state_dict(), f); model.load_state_dict(torch.load(f))")
@@ -54,8 +56,11 @@ def _step_lines(program, step):
     if kind == "train":
         return _train_lines(program, *args)
     if kind == "eval":
-        mode = ("torch.no_grad()", "torch.inference_mode()")[args[1]]
-        return [f"with {mode}, region():", f"    record(model(batch(seed={args[0]})))"]
+        mode = ("torch.no_grad(), ", "torch.inference_mode(), ", "")[args[1]]
+        note = "  # grad on, no backward" if args[1] == 2 else ""
+        return [f"with {mode}region():{note}", f"    record(model(batch(seed={args[0]})))"]
+    if kind == "freeze":
+        return [f"model.{PARAM_NAMES[args[0]]}.requires_grad_({bool(args[1])})"]
     if kind == "data":
         how, target, seed = args
         return [DATA_TEXT[how].format(p=PARAM_NAMES[target], s=seed)]

@@ -47,7 +47,7 @@ def _train_lines(program, n, seed):
             "    with region():  # torch.autocast for native, nothing for amp_patch and fp32",
             "        out = model(x)",
             f"        loss = {LOSS_TEXT[program.loss]}{div}",
-            f"    backward(loss)  # amp_patch.scale_loss / (loss.float() * {program.scale}).backward() / loss.backward()",
+            f"    backward(loss)  # amp_patch.scale_loss / (loss.float() * {program.scale}).backward() / plain",
             "record(grads); optimizer.step(); record(model.state_dict())"]
 
 
@@ -83,7 +83,7 @@ def render(program):
             "    def forward(self, x):"]
     body = ["        " + line for line in _op_lines(program.ops, [0]) + ["return x"]]
     setup = ["model = Net()", f"optimizer = {OPTIM_TEXT[program.optim]}",
-             "# fp32: as is; native: region() is torch.autocast('cpu', dtype); amp_patch: initialize(model, optimizer, ...)"]
+             "# fp32: as is; native: region() is torch.autocast('cpu', dtype); amp_patch: initialize(model, opt, ...)"]
     steps = []
     for i, step in enumerate(program.steps):
         steps.append(f"# step {i}")

@@ -41,9 +41,10 @@ def ops(features, exclude=(), depth=0, focus=()):
         return simple
     inner = st.lists(ops(features, exclude, depth + 1, focus), min_size=1, max_size=3).map(tuple)
     options = {"simple": simple, "ckpt": st.builds(Op, st.just("ckpt"), st.integers(0, 1), inner),
-               "fp32_region": st.builds(Op, st.just("fp32_region"), st.just(0), inner)}
-    drawn = ["simple"] * 6 + [k for k, f in (("ckpt", "checkpoint"), ("fp32_region", "fp32_region")) if f in features
-                              for _ in range(3 if k in focus else 1)]
+               "fp32_region": st.builds(Op, st.just("fp32_region"), st.just(0), inner),
+               "torch_off": st.builds(Op, st.just("torch_off"), st.just(0), inner)}
+    compound = (("ckpt", "checkpoint"), ("fp32_region", "fp32_region"), ("torch_off", "torch_off"))
+    drawn = ["simple"] * 6 + [k for k, f in compound if f in features for _ in range(3 if k in focus else 1)]
     return st.sampled_from(drawn).flatmap(options.__getitem__)
 
 

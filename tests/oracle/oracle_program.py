@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 FEATURES = ("inplace", "views", "out", "data_write", "no_grad", "checkpoint", "multi_backward", "deepcopy",
-            "state_dict", "fp32_region", "freeze", "grad_eval")
+            "state_dict", "fp32_region", "freeze", "grad_eval", "torch_off")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BUF_DTYPES = ("torch.float32", "half", "x.dtype")  # the dtype of an out= buffer, by the op's arg
 
@@ -24,7 +24,7 @@ BUF_DTYPES = ("torch.float32", "half", "x.dtype")  # the dtype of an out= buffer
 class Op:
     kind: str
     arg: int = 0
-    inner: tuple = ()  # the ops of a checkpointed segment ("ckpt") or of a casting-off region ("fp32_region")
+    inner: tuple = ()  # the ops of a checkpointed segment ("ckpt") or a casting-off region ("fp32_region", "torch_off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +143,9 @@ class OracleNet(torch.nn.Module):
             elif op.kind == "fp32_region":
                 with self.fp32_region():
                     x = self.run_ops(op.inner, x.float())
+            elif op.kind == "torch_off":  # code written for native autocast (transformers' rotary embeddings)
+                with torch.autocast("cpu", enabled=False):
+                    x = self.run_ops(op.inner, x.float())
             else:
                 x = OPS[op.kind][2](self, x, op.arg)
         return x
@@ -187,7 +190,7 @@ class Program:
 
     def features(self):
         """The features this program uses (so a test can say which class a failure belongs to)."""
-        compound = {"ckpt": "checkpoint", "fp32_region": "fp32_region"}
+        compound = {"ckpt": "checkpoint", "fp32_region": "fp32_region", "torch_off": "torch_off"}
         used = {compound[op.kind] if op.kind in compound else OPS[op.kind][0] for op in _flat(self.ops)}
         used |= {STEP_FEATURES[s.kind] for s in self.steps}
         used |= {"grad_eval" for s in self.steps if s.kind == "eval" and s.args[1] == 2}

@@ -31,8 +31,9 @@ def _op_lines(ops, seg_counter):
             lines += ["    " + line for line in body]
             lines.append(f"x = checkpoint({name}, x, use_reentrant={op.arg == 0})")
             continue
-        if op.kind == "fp32_region":
-            lines.append("with fp32_region():  # torch.autocast('cpu', enabled=False) / amp_patch.disable_casts()")
+        if op.kind in ("fp32_region", "torch_off"):
+            lines.append("with fp32_region():  # torch.autocast('cpu', enabled=False) / amp_patch.disable_casts()"
+                         if op.kind == "fp32_region" else "with torch.autocast('cpu', enabled=False):  # every run")
             lines += ["    " + line for line in ["x = x.float()"] + _op_lines(op.inner, seg_counter)]
             continue
         text = OPS[op.kind][1].format(a=op.arg, buf=BUF_DTYPES[op.arg] if op.kind.startswith("out_") else "")

@@ -104,10 +104,11 @@ def test_known_o2_fault_class_is_found(feature):
     prop()
 
 
-@_xfail("cache, out=, checkpoint, cache-without-scale_loss and torch.autocast(enabled=False) classes")
+@_xfail("cache, out=, checkpoint and cache-without-scale_loss classes")
 @profile()
-@given(program=programs(FEATURES))
+@given(program=programs(set(FEATURES) - {"torch_off"}))
 def test_all_features_match_native_autocast_bitwise(program):
+    """Every feature together (torch_off, a class no branch fixes yet, has its own search above)."""
     assume_ran(check_matches_native(program))
 
 

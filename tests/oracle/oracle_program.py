@@ -56,6 +56,12 @@ def _inplace(fn):
     return run
 
 
+@torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+def fp32_mm(x, w):
+    """A custom op written for native autocast: inputs cast to fp32, autocast off inside."""
+    return torch.mm(x, w)
+
+
 def _iadd(m, x, arg):
     x = x.clone()
     x += m.b
@@ -91,6 +97,8 @@ OPS = {
     "iadd": ("inplace", "x = x.clone(); x += self.b", _iadd),
     "view_mul_": ("inplace", "x = x.clone(); x[:, :2].mul_(2)", _inplace(lambda m, x: x[:, :2].mul_(2))),
     "sigmoid_": ("inplace", "x = x.clone(); x.sigmoid_()", _inplace(lambda m, x: x.sigmoid_())),
+    "custom_fwd_mm": ("torch_off", "x = fp32_mm(x, self.w)  # @torch.amp.custom_fwd(cast_inputs=torch.float32)",
+                      lambda m, x, a: fp32_mm(x, m.w)),
     "t_mm": ("views", "x = torch.mm(x, self.w.t())", lambda m, x, a: torch.mm(x, m.w.t())),
     "slice_mm": ("views", "x = torch.cat([torch.mm(x[:, :2], self.w[2:]), x], 1)[:, :4]",
                  lambda m, x, a: torch.cat([torch.mm(x[:, :2], m.w[2:]), x], 1)[:, :4]),

@@ -6,7 +6,8 @@ Tolerances against fp32 (``TOLERANCE``): for each recorded tensor,
 and a few optimizer steps, each rounding to the half dtype), ``SLACK`` 4 and ``native`` the same program under
 native autocast: where a program amplifies rounding (a LayerNorm of nearly equal values, training that
 diverges), native autocast drifts from fp32 too, and a policy may drift 4x as far. A stale, shared or lost
-weight is off by O(1) where native autocast is not. A gradient that is ``None`` counts as zeros there (O2 may
+weight is off by O(1) where native autocast is not. Programs whose fp32 run diverges (a value beyond 1e3 or not
+finite) are not compared. A gradient that is ``None`` counts as zeros there (O2 may
 keep a zero grad where fp32 has none). Bitwise means the same
 dtype, shape and bits (NaNs included), and ``None`` only where the other is ``None``.
 Exceptions: both runs must raise at the same step (messages may differ), or neither.
@@ -95,6 +96,13 @@ def _drifts(want, drifted):
     ref = {label: value for label, value in want if not isinstance(value, Raised)}
     return {label: _error(ref[label], value) for label, value in drifted
             if label in ref and not isinstance(value, Raised)}
+
+
+def diverged(trace, limit=1e3):
+    """Whether a trace holds a non-finite value or one beyond ``limit`` (training that diverged: no tolerance
+    against it means anything)."""
+    return any(isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(v.abs().le(limit).all())
+               for _, v in trace)
 
 
 def raised(trace):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 FEATURES = ("inplace", "views", "out", "data_write", "no_grad", "checkpoint", "multi_backward", "deepcopy",
-            "state_dict", "fp32_region")
+            "state_dict", "fp32_region", "freeze", "grad_eval", "torch_off")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BUF_DTYPES = ("torch.float32", "half", "x.dtype")  # the dtype of an out= buffer, by the op's arg
 
@@ -24,7 +24,7 @@ BUF_DTYPES = ("torch.float32", "half", "x.dtype")  # the dtype of an out= buffer
 class Op:
     kind: str
     arg: int = 0
-    inner: tuple = ()  # the ops of a checkpointed segment ("ckpt") or of a casting-off region ("fp32_region")
+    inner: tuple = ()  # the ops of a checkpointed segment ("ckpt") or a casting-off region ("fp32_region", "torch_off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +54,12 @@ def _inplace(fn):
         fn(m, x)
         return x
     return run
+
+
+@torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+def fp32_mm(x, w):
+    """A custom op written for native autocast: inputs cast to fp32, autocast off inside."""
+    return torch.mm(x, w)
 
 
 def _iadd(m, x, arg):
@@ -91,6 +97,8 @@ OPS = {
     "iadd": ("inplace", "x = x.clone(); x += self.b", _iadd),
     "view_mul_": ("inplace", "x = x.clone(); x[:, :2].mul_(2)", _inplace(lambda m, x: x[:, :2].mul_(2))),
     "sigmoid_": ("inplace", "x = x.clone(); x.sigmoid_()", _inplace(lambda m, x: x.sigmoid_())),
+    "custom_fwd_mm": ("torch_off", "x = fp32_mm(x, self.w)  # @torch.amp.custom_fwd(cast_inputs=torch.float32)",
+                      lambda m, x, a: fp32_mm(x, m.w)),
     "t_mm": ("views", "x = torch.mm(x, self.w.t())", lambda m, x, a: torch.mm(x, m.w.t())),
     "slice_mm": ("views", "x = torch.cat([torch.mm(x[:, :2], self.w[2:]), x], 1)[:, :4]",
                  lambda m, x, a: torch.cat([torch.mm(x[:, :2], m.w[2:]), x], 1)[:, :4]),
@@ -143,6 +151,9 @@ class OracleNet(torch.nn.Module):
             elif op.kind == "fp32_region":
                 with self.fp32_region():
                     x = self.run_ops(op.inner, x.float())
+            elif op.kind == "torch_off":  # code written for native autocast (transformers' rotary embeddings)
+                with torch.autocast("cpu", enabled=False):
+                    x = self.run_ops(op.inner, x.float())
             else:
                 x = OPS[op.kind][2](self, x, op.arg)
         return x
@@ -187,9 +198,10 @@ class Program:
 
     def features(self):
         """The features this program uses (so a test can say which class a failure belongs to)."""
-        compound = {"ckpt": "checkpoint", "fp32_region": "fp32_region"}
+        compound = {"ckpt": "checkpoint", "fp32_region": "fp32_region", "torch_off": "torch_off"}
         used = {compound[op.kind] if op.kind in compound else OPS[op.kind][0] for op in _flat(self.ops)}
         used |= {STEP_FEATURES[s.kind] for s in self.steps}
+        used |= {"grad_eval" for s in self.steps if s.kind == "eval" and s.args[1] == 2}
         used |= {"multi_backward" for s in self.steps if s.kind == "train" and s.args[0] > 1}
         return sorted(f for f in used if f)
 
@@ -205,4 +217,4 @@ def _flat(ops):
 
 
 STEP_FEATURES = {"train": None, "eval": "no_grad", "data": "data_write", "deepcopy": "deepcopy",
-                 "state_dict": "state_dict"}
+                 "state_dict": "state_dict", "freeze": "freeze"}

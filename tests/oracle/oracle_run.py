@@ -159,9 +159,15 @@ def _train(run, i, n, seed):
 
 
 def _eval(run, i, seed, how):
+    """how: 0 under no_grad, 1 under inference_mode, 2 with grad on and no backward (a metric, a probe)."""
     x, _ = batch(seed, run.program.loss)
-    with (torch.no_grad() if how == 0 else torch.inference_mode()):
+    mode = (torch.no_grad, torch.inference_mode, contextlib.nullcontext)[how]
+    with mode():
         run.record(f"step {i}: eval out", run.forward(run.model, x))
+
+
+def _freeze(run, i, target, flag):
+    dict(run.model.named_parameters())[PARAM_NAMES[target]].requires_grad_(bool(flag))
 
 
 def _data(run, i, how, target, seed):
@@ -169,12 +175,18 @@ def _data(run, i, how, target, seed):
     p = params[PARAM_NAMES[target]]
     if how == 0:
         p.data = random_like(seed, p)
+    elif how == 4:
+        with torch.no_grad():
+            p.mul_(0.5)
+    elif how == 5:
+        with torch.no_grad():
+            p.set_(random_like(seed, p))
     elif how == 1:
         p.data.copy_(random_like(seed, p))
     elif how == 2:
         vec = torch.nn.utils.parameters_to_vector(run.model.parameters())
         torch.nn.utils.vector_to_parameters(random_like(seed, vec), run.model.parameters())
-    else:
+    elif how == 3:
         for q in params.values():
             q.data.clamp_(-0.2, 0.2)
 
@@ -209,7 +221,8 @@ def _state_dict(run, i, how, seed):
     run.record_state(f"step {i}: state_dict() after load", run.model)
 
 
-STEPS = {"train": _train, "eval": _eval, "data": _data, "deepcopy": _deepcopy, "state_dict": _state_dict}
+STEPS = {"train": _train, "eval": _eval, "data": _data, "deepcopy": _deepcopy, "state_dict": _state_dict,
+         "freeze": _freeze}
 OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.5),
               "adam": lambda params: torch.optim.Adam(params, lr=0.01)}
 

@@ -12,7 +12,9 @@ OPTIM_TEXT = {"sgd": "torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
 DATA_TEXT = ("model.{p}.data = randn_like(model.{p}, seed={s})",
              "model.{p}.data.copy_(randn_like(model.{p}, seed={s}))",
              "torch.nn.utils.vector_to_parameters(randn(n_params, seed={s}), model.parameters())",
-             "for p in model.parameters(): p.data.clamp_(-0.2, 0.2)")
+             "for p in model.parameters(): p.data.clamp_(-0.2, 0.2)",
+             "with torch.no_grad(): model.{p}.mul_(0.5)",
+             "with torch.no_grad(): model.{p}.set_(randn_like(model.{p}, seed={s}))")
 SD_TEXT = ("model.load_state_dict(model.state_dict())",
            "model.load_state_dict({{k: randn_like(v, seed={s}+i) for i, (k, v) in enumerate(sd.items())}})",
            "torch.save(model.state_dict(), f); model.load_state_dict(torch.load(f))")
@@ -29,8 +31,9 @@ def _op_lines(ops, seg_counter):
             lines += ["    " + line for line in body]
             lines.append(f"x = checkpoint({name}, x, use_reentrant={op.arg == 0})")
             continue
-        if op.kind == "fp32_region":
-            lines.append("with fp32_region():  # torch.autocast('cpu', enabled=False) / amp_patch.disable_casts()")
+        if op.kind in ("fp32_region", "torch_off"):
+            lines.append("with fp32_region():  # torch.autocast('cpu', enabled=False) / amp_patch.disable_casts()"
+                         if op.kind == "fp32_region" else "with torch.autocast('cpu', enabled=False):  # every run")
             lines += ["    " + line for line in ["x = x.float()"] + _op_lines(op.inner, seg_counter)]
             continue
         text = OPS[op.kind][1].format(a=op.arg, buf=BUF_DTYPES[op.arg] if op.kind.startswith("out_") else "")
@@ -45,7 +48,7 @@ def _train_lines(program, n, seed):
             "    with region():  # torch.autocast for native, nothing for amp_patch and fp32",
             "        out = model(x)",
             f"        loss = {LOSS_TEXT[program.loss]}{div}",
-            f"    backward(loss)  # amp_patch.scale_loss / (loss.float() * {program.scale}).backward() / loss.backward()",
+            f"    backward(loss)  # amp_patch.scale_loss / (loss.float() * {program.scale}).backward() / plain",
             "record(grads); optimizer.step(); record(model.state_dict())"]
 
 
@@ -54,8 +57,11 @@ def _step_lines(program, step):
     if kind == "train":
         return _train_lines(program, *args)
     if kind == "eval":
-        mode = ("torch.no_grad()", "torch.inference_mode()")[args[1]]
-        return [f"with {mode}, region():", f"    record(model(batch(seed={args[0]})))"]
+        mode = ("torch.no_grad(), ", "torch.inference_mode(), ", "")[args[1]]
+        note = "  # grad on, no backward" if args[1] == 2 else ""
+        return [f"with {mode}region():{note}", f"    record(model(batch(seed={args[0]})))"]
+    if kind == "freeze":
+        return [f"model.{PARAM_NAMES[args[0]]}.requires_grad_({bool(args[1])})"]
     if kind == "data":
         how, target, seed = args
         return [DATA_TEXT[how].format(p=PARAM_NAMES[target], s=seed)]
@@ -78,7 +84,7 @@ def render(program):
             "    def forward(self, x):"]
     body = ["        " + line for line in _op_lines(program.ops, [0]) + ["return x"]]
     setup = ["model = Net()", f"optimizer = {OPTIM_TEXT[program.optim]}",
-             "# fp32: as is; native: region() is torch.autocast('cpu', dtype); amp_patch: initialize(model, optimizer, ...)"]
+             "# fp32: as is; native: region() is torch.autocast('cpu', dtype); amp_patch: initialize(model, opt, ...)"]
     steps = []
     for i, step in enumerate(program.steps):
         steps.append(f"# step {i}")

@@ -21,7 +21,9 @@ from oracle_run import AmpRunner
 
 # Features whose programs match today; the others are the known fault classes of issue 20.
 KNOWN_BAD = {"data_write": "stale cast cache after .data writes", "out": "out= arguments",
-             "checkpoint": "checkpoint recompute"}
+             "checkpoint": "checkpoint recompute",
+             "grad_eval": "cast cache kept across iterations without scale_loss (found by this oracle)",
+             "torch_off": "torch.autocast(enabled=False) regions are cast under O1 (found by this oracle)"}
 PASSING = frozenset(FEATURES) - set(KNOWN_BAD)
 # Against fp32 under O2/O3, deepcopy (shared masters) and .data writes (undone by the master copy) are known bad;
 # an fp32 region (x.float() into the model's own layers) does not apply: O2/O3 weights are half.
@@ -29,7 +31,12 @@ PASSING_O2 = PASSING - {"deepcopy", "data_write", "fp32_region"}
 
 
 def _xfail(reason):
-    return pytest.mark.xfail(strict=True, reason=f"issue 20: {reason}, fixed on branch cast-faults/model-faults")
+    where = "fixed on branch cast-faults/model-faults"
+    if "torch.autocast(enabled=False)" in reason:
+        where = "no branch fixes it yet"
+    elif "found by" in reason:
+        where = "expected to go with cast-faults' cache-growth fix"
+    return pytest.mark.xfail(strict=True, reason=f"issue 20: {reason}, {where}")
 
 
 @profile(examples=100)
@@ -46,14 +53,17 @@ def test_o1_torch_cpu_matches_native_autocast_bitwise(program):
 #   sum-of-squares loss grows the weights until rounding dominates: mse and cross-entropy only;
 # - neither the apex nor the torch_cuda list promotes index_copy (nor does native CUDA autocast), so a half
 #   activation and an fp32 source raise torch's dtype error (loud, not wrong);
-# - O3 trains the half weights themselves, and Adam's eps (1e-8) is 0 in fp16, so its step is inf/NaN: SGD only.
+# - O3 trains the half weights themselves, and Adam's eps (1e-8) is 0 in fp16, so its step is inf/NaN: SGD only;
+#   a LayerNorm after a layer with a bias makes that bias's fp32 grad exactly 0, which half sums of the terms that
+#   cancel cannot reproduce (0.12 in bf16): no LayerNorm under O3.
 _STABLE = dict(exclude={"prod", "mse_scale"}, losses=("mse", "cross_entropy"))
 OTHER_POLICIES = {
     "O1-apex": (AmpRunner("O1", "apex"), dict(_STABLE, features=PASSING, exclude={"prod", "mse_scale", "index_copy"})),
     "O1-torch_cuda": (AmpRunner("O1", "torch_cuda"),
                       dict(_STABLE, features=PASSING, exclude={"prod", "mse_scale", "index_copy"})),
     "O2": (AmpRunner("O2"), dict(_STABLE, features=PASSING_O2)),
-    "O3": (AmpRunner("O3"), dict(_STABLE, features=PASSING_O2, optims=("sgd",))),
+    "O3": (AmpRunner("O3"), dict(_STABLE, features=PASSING_O2, optims=("sgd",),
+                                  exclude={"prod", "mse_scale", "layer_norm"})),
 }
 
 
@@ -68,11 +78,17 @@ def test_other_policies_stay_close_to_fp32(policy):
     prop()
 
 
+# What each class's search draws more often: a checkpoint needs a casting-off region around it; the grads of a
+# reused cast arrive in another order only where the weight is also used uncast (in a casting-off region).
+FOCUS = {"checkpoint": {"ckpt", "fp32_region"}, "grad_eval": {"fp32_region", "eval"}, "data_write": {"eval"},
+         "torch_off": {"torch_off"}}
+
+
 @pytest.mark.parametrize("feature", [pytest.param(f, marks=_xfail(reason)) for f, reason in KNOWN_BAD.items()])
 def test_known_fault_class_is_found(feature):
     """A search with this feature added to the passing ones: today it finds (and shrinks) a mismatch."""
-    @profile(examples=200)
-    @given(program=programs(PASSING | {feature}))
+    @profile(examples=100)
+    @given(program=programs(PASSING | {feature}, focus=FOCUS.get(feature, ())))
     def prop(program):
         assume_ran(check_matches_native(program))
     prop()
@@ -81,17 +97,18 @@ def test_known_fault_class_is_found(feature):
 @pytest.mark.parametrize("feature", [pytest.param("deepcopy", marks=_xfail("deepcopy of an O2 model")),
                                      pytest.param("data_write", marks=_xfail("in-place edits of O2 weights"))])
 def test_known_o2_fault_class_is_found(feature):
-    @profile(examples=200)
+    @profile(examples=100)
     @given(program=programs(**dict(_STABLE, features=PASSING_O2 | {feature})))
     def prop(program):
         assume_ran(check_close_to_fp32(program, AmpRunner("O2")))
     prop()
 
 
-@_xfail("cache, out= and checkpoint classes")
+@_xfail("cache, out=, checkpoint and cache-without-scale_loss classes")
 @profile()
-@given(program=programs(FEATURES))
+@given(program=programs(set(FEATURES) - {"torch_off"}))
 def test_all_features_match_native_autocast_bitwise(program):
+    """Every feature together (torch_off, a class no branch fixes yet, has its own search above)."""
     assume_ran(check_matches_native(program))
 
 

@@ -95,4 +95,13 @@ echo "gpu_check: mode $([ $dry = 1 ] && echo "dry run (CUDA hidden, CPU, short)"
 tail -n 2 "$out/device.txt" "$out/tests.txt"
 grep -h "^| " "$out/step_fp16.txt" "$out/step_bf16.txt" | head -n 12
 grep -h -A8 "^### " "$out/experiment.txt" | head -n 24
+if [ "$dry" = 1 ]; then
+    cat <<'NOTE'
+gpu_check: this was the dry run. On the GPU machine (no --dry-run) the same steps print: the device line with
+  "cuda 13.0 | device NVIDIA H200"; tests.txt with tests/test_cuda.py and the CUDA LSTM/GRU checks run, not
+  skipped (about 10 more tests); step_fp16/step_bf16 tables for all three cases on cuda (3 rounds, fp32, native,
+  O1, O2 and the cast-count check); the experiment's three tables (mlp, cnn, transformer) in float16 on cuda,
+  with syncs/step measured instead of "n/a (CPU)".
+NOTE
+fi
 exit $tests_rc

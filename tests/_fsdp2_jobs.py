@@ -266,12 +266,13 @@ def refusals(rank):
             amp_patch.deinitialize()
 
     fp16 = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # (remainder: bf16 only)
     out = {"none O2": init(shard(MixedPrecisionPolicy()), opt_level="O2"),
            "none O3": init(shard(MixedPrecisionPolicy()), opt_level="O3"),
            "half reduce O2": init(shard(MixedPrecisionPolicy(param_dtype=torch.float16)), opt_level="O2"),
            "bf16 policy, fp16 init": init(shard(fp16), opt_level="O2", half_dtype=torch.bfloat16),
            "O2 layout O3": init(shard(fp16), opt_level="O3"),
-           "remainder": init(shard(fp16), opt_level="O2", master_weights="remainder"),
+           "remainder": init(shard(bf16), opt_level="O2", half_dtype=torch.bfloat16, master_weights="remainder"),
            "half params O1": init(shard(MixedPrecisionPolicy(), half=True), opt_level="O1"),
            "user policy O2": init(shard(fp16), opt_level="O2")}
     model, _ = shard(fp16)

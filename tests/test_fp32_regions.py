@@ -217,3 +217,69 @@ def test_custom_bwd_region_keeps_the_forward_casting():
 
     model, x = Net(), torch.randn(3, 4, requires_grad=True)
     _assert_bitwise(_amp(model, x), _native(model, x))
+
+
+class _Fp32Mm(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.mm(x, w)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return torch.mm(grad, w.t()), torch.mm(x.t(), grad)
+
+
+@pytest.mark.parametrize("function", [_Fp32Mm, _Scale], ids=["cast_inputs_fp32", "cast_inputs_none"])
+def test_custom_fwd_matches_native_bitwise(function):
+    """custom_fwd(cast_inputs=torch.float32): the forward (on inputs cast to fp32) and its custom_bwd backward run
+    in fp32; without cast_inputs both cast, as natively."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(4, 4)
+            self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            return function.apply(self.lin(x), self.w)
+
+    model, x = Net(), torch.randn(3, 4)
+    native = _native(model, x)
+    assert native[0].dtype == (torch.float32 if function is _Fp32Mm else BF16)
+    _assert_bitwise(_amp(model, x), native)
+
+
+def test_is_autocast_enabled_answers_as_torch_outside_custom_fwd(session):
+    assert not torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled()
+    with _on():
+        assert torch.is_autocast_enabled("cpu")
+
+
+class _Record(torch.autograd.Function):
+    seen = []
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        _Record.seen.append((torch.is_autocast_enabled("cpu"), _mm_dtype()))
+        return grad
+
+
+def test_custom_bwd_replays_amp_patch_casting_not_native(session):
+    """The forward saw amp_patch's casting: its backward casts with amp_patch, native autocast stays off there
+    (no second cast on top of amp_patch's)."""
+    _Record.seen.clear()
+    _Record.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    with amp_patch.disable_casts():
+        _Record.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert _Record.seen == [(False, BF16), (False, torch.float32)]

@@ -11,9 +11,14 @@ innermost native region wins, as natively). Regions for another device type chan
 amp_patch's own regions (``disable_casts()``, ``autocast(enabled=False)``, the optimizer-step pause) are counted
 apart: a native enabled region does not undo them.
 
-``torch.amp.custom_bwd`` opens a region with the forward's *native* autocast state (off under amp_patch): those
-regions are left alone, so a custom backward casts as its forward did. Under ``torch.compile`` dynamo handles
-autocast regions itself and never calls ``__enter__``: the wrappers it traces cast as outside the region.
+``torch.amp.custom_fwd`` asks ``torch.is_autocast_enabled(device_type)`` whether to open its fp32 region (with
+``cast_inputs``) and records the answer for ``custom_bwd``: asked from there, the patched ``is_autocast_enabled``
+also answers True while amp_patch casts in this thread for that device type, so ``cast_inputs=torch.float32``
+functions run in fp32 on fp32 inputs, as natively. ``custom_bwd`` then re-opens the forward's state as a region:
+an enabled one of those turns amp_patch's casting on without turning native autocast on (it was amp_patch's
+casting, not native's, that the forward saw; a forward under a genuine native region inside a session is
+replayed the same way). Under ``torch.compile`` dynamo handles autocast regions itself and never calls
+``__enter__``: the wrappers it traces cast as outside the region.
 """
 import sys
 import threading
@@ -24,13 +29,14 @@ from torch.amp import autocast_mode
 _get_ident = threading.get_ident
 
 
-def _bwd_code():
-    """The code object of ``custom_bwd``'s inner function (its regions restore the forward's native state)."""
-    decorated = autocast_mode.custom_bwd(lambda *args: None, device_type="cpu")
+def _inner_code(decorator):
+    """The code object of the inner function ``custom_fwd``/``custom_bwd`` returns (found by decorating one)."""
+    decorated = decorator(lambda *args: None, device_type="cpu")
     return getattr(decorated, "__code__", None)
 
 
-_CUSTOM_BWD = _bwd_code()
+_CUSTOM_FWD = _inner_code(autocast_mode.custom_fwd)
+_CUSTOM_BWD = _inner_code(autocast_mode.custom_bwd)
 
 
 def engine_device_type():
@@ -43,9 +49,13 @@ def install(engine, patcher):
 
     def make_enter(original):
         def __enter__(self):
+            if getattr(self, "device", None) != device_type:
+                return original(self)
+            off = not self._enabled
+            if not off and sys._getframe(1).f_code is _CUSTOM_BWD:
+                self._enabled = False  # the forward's casting was amp_patch's: replay it, native stays off
             result = original(self)
-            if getattr(self, "device", None) == device_type and sys._getframe(1).f_code is not _CUSTOM_BWD:
-                _push(regions, disabled, self, not self._enabled)
+            _push(regions, disabled, self, off)
             return result
 
         return __enter__
@@ -63,6 +73,23 @@ def install(engine, patcher):
 
     patcher.install(autocast_mode.autocast, "__enter__", make_enter)
     patcher.install(autocast_mode.autocast, "__exit__", make_exit)
+    patcher.install(torch, "is_autocast_enabled", lambda original: _answer_custom_fwd(original, engine))
+
+
+def _answer_custom_fwd(original, engine):
+    """``torch.is_autocast_enabled`` that, asked by ``custom_fwd``'s inner function, also says whether amp_patch
+    casts in this thread for ``engine.device_type`` (torch's answer everywhere else)."""
+    disabled, device_type, compiling = engine.disabled, engine.device_type, torch.compiler.is_compiling
+
+    def is_autocast_enabled(*args, **kwargs):
+        if compiling() or sys._getframe(1).f_code is not _CUSTOM_FWD:
+            return original(*args, **kwargs)
+        device = args[0] if args else kwargs.get("device_type", "cuda")
+        casting = device == device_type and not (disabled and _get_ident() in disabled)
+        return casting or original(*args, **kwargs)
+
+    is_autocast_enabled.__wrapped__ = original
+    return is_autocast_enabled
 
 
 def _push(regions, disabled, region, off):

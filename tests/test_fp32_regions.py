@@ -283,3 +283,23 @@ def test_custom_bwd_replays_amp_patch_casting_not_native(session):
     with amp_patch.disable_casts():
         _Record.apply(torch.ones(2, requires_grad=True)).sum().backward()
     assert _Record.seen == [(False, BF16), (False, torch.float32)]
+
+
+def test_compiled_region_matches_eager_without_graph_breaks():
+    """dynamo enters native regions itself, at trace time: the compiled region runs in fp32 too, no break."""
+    import torch._dynamo
+
+    model, x = Region(_off), torch.randn(3, 4)
+    native = _native(model, x)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, _ = amp_patch.initialize(model, opt, opt_level="O1", half_dtype=BF16, op_lists="torch_cpu", verbosity=0)
+    torch._dynamo.reset()
+    try:
+        explanation = torch._dynamo.explain(model.forward)(x)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        torch._dynamo.reset()
+        compiled = torch.compile(model.forward, backend="eager")(x)
+        assert compiled.dtype == native[0].dtype and torch.equal(compiled, native[0])
+    finally:
+        torch._dynamo.reset()
+        amp_patch.deinitialize()

@@ -30,7 +30,7 @@ class CastingEngine:
         self.registrations = tuple(registrations)
         self.cache = CastCache()
         self.disabled = DisabledThreads()
-        self.to_half = make_to_half(half_dtype, self.cache)
+        self.to_half = make_to_half(half_dtype, self.cache, self.disabled)
         self.patcher = Patcher()
         self.tracer = None
         self._dynamo_table = None  # dynamo's table as built before patching (see dynamo_tables)

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import BannedOpError, CastError, ConfigError
 from .switch import DisabledThreads  # noqa: F401 - the engine's per-thread switch (re-exported)
+from .switch import live_while_tracing
 
 Tensor = torch.Tensor
 Parameter = torch.nn.Parameter
@@ -156,13 +157,10 @@ _CAST_METHOD = {torch.float16: Tensor.half, torch.bfloat16: Tensor.bfloat16, tor
 
 
 def make_to_half(half_dtype, cache, disabled=None):
-    """The caster for ``half`` ops: fp32 (cached for leaves that require grad) and the other 16-bit dtype.
-
-    While dynamo traces, a native ``torch.autocast(enabled=False)`` region changes ``disabled`` behind dynamo's
-    back (dynamo enters the region itself, at trace time: see ``native_regions``), so the wrappers' guard reads
-    it stale; the caster asks the live switch, as a constant of the graph (``off_while_tracing``)."""
+    """The caster for ``half`` ops: fp32 (cached for leaves that require grad) and the other 16-bit dtype; while
+    dynamo traces, it also asks the live switch ``disabled`` (see ``switch.live_while_tracing``)."""
     other = next(d for d in HALF_DTYPES if d is not half_dtype)
-    off_while_tracing = _off_while_tracing(disabled if disabled is not None else {})
+    off_while_tracing = live_while_tracing(disabled if disabled is not None else {})
     cast = _CAST_METHOD[half_dtype]
     entries = cache.entries
     get = entries.get
@@ -189,14 +187,6 @@ def make_to_half(half_dtype, cache, disabled=None):
         return t
 
     return to_half
-
-
-def _off_while_tracing(disabled):
-    @torch.compiler.assume_constant_result
-    def off_while_tracing():
-        return _thread_ident() in disabled
-
-    return off_while_tracing
 
 
 def to_float(t, _float=Tensor.float):

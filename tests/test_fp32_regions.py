@@ -303,3 +303,18 @@ def test_compiled_region_matches_eager_without_graph_breaks():
     finally:
         torch._dynamo.reset()
         amp_patch.deinitialize()
+
+
+def test_transformers_llama_rotary_matches_native_bitwise(session):
+    """transformers' own LlamaRotaryEmbedding (its fp32 region), positions up to 2047: before the fix its cos was
+    up to 2.0 off native autocast in bf16."""
+    modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
+    from transformers import LlamaConfig
+
+    rope = modeling.LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4))
+    x, positions = torch.zeros(1, 2048, 64), torch.arange(2048)[None]
+    cos, sin = rope(x, positions)
+    amp_patch.deinitialize()
+    with torch.autocast("cpu", dtype=BF16):
+        native_cos, native_sin = rope(x, positions)
+    assert torch.equal(cos, native_cos) and torch.equal(sin, native_sin)

@@ -51,7 +51,7 @@ class _TracedContext:
 
     def __init__(self, engine, tracer):
         self.disabled, self.allow_banned = engine.disabled, engine.allow_banned
-        base = make_to_half(engine.half_dtype, engine.cache)
+        base = make_to_half(engine.half_dtype, engine.cache, engine.disabled)
         entries = engine.cache.entries
 
         def to_half(t):

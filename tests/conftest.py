@@ -17,7 +17,8 @@ def _patched_namespaces():
     """Every target of every shipped op list, plus the namespaces user registrations and tests touch."""
     from amp_patch.casting.resolve import resolve_target
 
-    found = {id(ns): ns for ns in (torch, F, torch.Tensor, torch._C.TensorBase, torch._VF, torch.optim.Optimizer)}
+    found = {id(ns): ns for ns in (torch, F, torch.Tensor, torch._C.TensorBase, torch._VF, torch.optim.Optimizer,
+                                                         torch.amp.autocast_mode.autocast)}
     for name in amp_patch.shipped_names():
         for entry in amp_patch.load_op_lists(name).entries:
             target = resolve_target(entry.target)

@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from . import dynamo_tables, forked, recompute
+from . import dynamo_tables, forked, native_regions, recompute
 from .resolve import resolve_target
 from .wrappers import CastCache, DisabledThreads, make_to_half, make_wrapper
 from .patcher import Patcher
@@ -30,13 +30,15 @@ class CastingEngine:
         self.registrations = tuple(registrations)
         self.cache = CastCache()
         self.disabled = DisabledThreads()
-        self.to_half = make_to_half(half_dtype, self.cache)
+        self.to_half = make_to_half(half_dtype, self.cache, self.disabled)
         self.patcher = Patcher()
         self.tracer = None
         self._dynamo_table = None  # dynamo's table as built before patching (see dynamo_tables)
         self._paused = set()  # threads inside an optimizer step
         self.forwards = {}  # thread ident -> depth of session-model forwards open there (deinitialize checks it)
         self.scopes = ScopeRuntime(table.scopes) if getattr(table, "scopes", ()) else None
+        self.device_type = native_regions.engine_device_type()  # whose torch.autocast(enabled=False) regions count
+        self.native_regions = {}  # thread ident -> open native autocast regions of device_type (native_regions)
 
     @property
     def installed(self):
@@ -62,6 +64,7 @@ class CastingEngine:
             for reg in self.registrations:
                 self._install_one(reg.owner, reg.entry)
             recompute.install(self, self.patcher)
+            native_regions.install(self, self.patcher)
         except BaseException:
             self.patcher.restore_all()
             raise
@@ -119,6 +122,7 @@ class CastingEngine:
         self.cache.clear()
         self.disabled.close()  # wrappers captured or re-patched over by others pass through from now on
         self._paused.clear()
+        self.native_regions.clear()
 
     def clear_cache(self):
         self.cache.clear()

@@ -1,6 +1,8 @@
 """The per-thread casting switch every wrapper of an engine reads."""
 import threading
 
+import torch
+
 
 class DisabledThreads(dict):
     """Thread ident -> depth of ``disable_casts()`` regions open in that thread.
@@ -50,3 +52,17 @@ class _ClosedThreads(DisabledThreads):
 
     def close(self):
         pass
+
+
+def live_while_tracing(disabled):
+    """Whether casting is off in this thread, read from the live switch as a constant of dynamo's graph.
+
+    A native ``torch.autocast(enabled=False)`` region inside compiled code is entered by dynamo itself, at trace
+    time (``native_regions``): that changes ``disabled`` behind dynamo's back, so the wrappers' own test of it
+    reads dynamo's stale copy; the half caster asks this instead while compiling (no guard, no graph break)."""
+
+    @torch.compiler.assume_constant_result
+    def off_while_tracing():
+        return threading.get_ident() in disabled
+
+    return off_while_tracing

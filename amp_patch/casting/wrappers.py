@@ -14,6 +14,7 @@ import torch
 
 from ..errors import BannedOpError, CastError, ConfigError
 from .switch import DisabledThreads  # noqa: F401 - the engine's per-thread switch (re-exported)
+from .switch import live_while_tracing
 
 Tensor = torch.Tensor
 Parameter = torch.nn.Parameter
@@ -155,9 +156,11 @@ _CAST_METHOD = {torch.float16: Tensor.half, torch.bfloat16: Tensor.bfloat16, tor
                 torch.float64: Tensor.double}
 
 
-def make_to_half(half_dtype, cache):
-    """The caster for ``half`` ops: fp32 (cached for leaves that require grad) and the other 16-bit dtype."""
+def make_to_half(half_dtype, cache, disabled=None):
+    """The caster for ``half`` ops: fp32 (cached for leaves that require grad) and the other 16-bit dtype; while
+    dynamo traces, it also asks the live switch ``disabled`` (see ``switch.live_while_tracing``)."""
     other = next(d for d in HALF_DTYPES if d is not half_dtype)
+    off_while_tracing = live_while_tracing(disabled if disabled is not None else {})
     cast = _CAST_METHOD[half_dtype]
     entries = cache.entries
     get = entries.get
@@ -168,8 +171,10 @@ def make_to_half(half_dtype, cache):
     def to_half(t):
         dt = t.dtype
         if dt is FP32:
-            if compiling() or tracing():  # dynamo: no data-dependent cache checks in the graph (it casts once);
-                return cast(t)  # torch.jit.trace: a cast cached before the trace would become a graph constant
+            if compiling():  # dynamo: no data-dependent cache checks in the graph (it casts once)
+                return t if off_while_tracing() else cast(t)
+            if tracing():  # torch.jit.trace: a cast cached before the trace would become a graph constant
+                return cast(t)
             hit = get(id(t))
             if hit is not None and hit[0] is t and hit[1] == t._version and (hit[2] or not grad_enabled()):
                 return hit[3]

@@ -1,16 +1,12 @@
 """One fixed oracle program per fault class of issue 20 (and controls that pass today), so the lead can see
 which classes pass once the fixes are merged. Each is the minimal program the class's search in
-test_oracle_harness.py shrinks to (or a hand-written one of the same shape); the failing ones are strict xfails
-naming the branch that fixes them."""
+test_oracle_harness.py shrinks to (or a hand-written one of the same shape). All pass since the fixes of
+cast-faults, model-faults and fp32-regions (they were strict xfails until then)."""
 import pytest
 
 from oracle_gen import check_close_to_fp32, check_matches_native
 from oracle_program import Op, Program, Step
 from oracle_run import AmpRunner
-
-
-def _xfail(reason, where="fixed on branch cast-faults/model-faults"):
-    return pytest.mark.xfail(strict=True, reason=f"issue 20: {reason}, {where}")
 
 
 def _prog(ops, *steps, dtype="bf16"):
@@ -24,7 +20,6 @@ DATA_WRITES = {"assign": ("data", (0, 2, 5)), "copy_": ("data", (1, 2, 5)), "vec
                "clamp_": ("data", (3, 2, 5))}
 
 
-@_xfail("stale cast cache after .data writes")
 @pytest.mark.parametrize("write", list(DATA_WRITES))
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_stale_cache_after_data_write(write, dtype):
@@ -32,19 +27,16 @@ def test_stale_cache_after_data_write(write, dtype):
     check_matches_native(_prog([Op("lin")], EVAL, DATA_WRITES[write], EVAL, dtype=dtype))
 
 
-@_xfail("stale cast cache after .data writes")
 def test_stale_cache_seen_by_a_deepcopy_step():
     check_matches_native(_prog([Op("lin")], EVAL, DATA_WRITES["copy_"], ("deepcopy", (0,))))
 
 
-@_xfail("out= arguments")
 @pytest.mark.parametrize("op", ["out_mm", "out_matmul"])
 def test_out_buffer_of_an_fp32_call_is_written(op):
     """An fp32 input and an fp32 buffer: native autocast does not cast out= calls, the buffer gets the fp32 result."""
     check_matches_native(_prog([Op(op, 0)], EVAL))
 
 
-@_xfail("out= arguments")
 def test_out_call_raises_where_torch_does():
     """A bf16 activation, an fp32 weight and a bf16 buffer: native autocast leaves mm.out alone and torch refuses
     the dtype mix; amp_patch must not cast its way past it."""
@@ -57,7 +49,6 @@ def test_out_of_an_op_the_cpu_list_does_not_cast(op):
     check_matches_native(_prog([Op("lin"), Op(op, 1)], EVAL, TRAIN))
 
 
-@_xfail("checkpoint recompute")
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_checkpoint_recomputes_under_the_forward_casting_state(reentrant):
     """A checkpointed segment inside a casting-off region: its recompute (in backward, outside the region) must run
@@ -72,7 +63,7 @@ def test_checkpoint_with_casting_on_matches(reentrant):
     check_matches_native(_prog([Op("lin"), Op("ckpt", 0 if reentrant else 1, (Op("mm"), Op("tanh")))], TRAIN, TRAIN))
 
 
-@pytest.mark.parametrize("opt_level", [pytest.param("O2", marks=_xfail("deepcopy of an O2 model")), "O3"])
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
 def test_deepcopy_is_independent_of_the_original(opt_level):
     """An EMA/teacher copy: loading a state dict into the copy must not change the original (O3, which has no
     masters, already passes)."""
@@ -83,15 +74,12 @@ def test_deepcopy_under_o1_matches():
     check_matches_native(_prog([Op("lin"), Op("mm")], TRAIN, ("deepcopy", (0,)), TRAIN))
 
 
-@_xfail("in-place edits of O2 weights")
 @pytest.mark.parametrize("write", ["copy_", "clamp_"])
 def test_o2_weight_edit_survives_the_next_step(write):
     """WGAN weight clipping / weight surgery on an O2 model: the next step's master copy must not undo it."""
     check_close_to_fp32(_prog([Op("lin")], TRAIN, DATA_WRITES[write], TRAIN), AmpRunner("O2"))
 
 
-@_xfail("cast cache kept across iterations without scale_loss (found by the oracle)",
-        "expected to go with cast-faults' cache-growth fix")
 @pytest.mark.parametrize("steps", [[("eval", (0, 2)), TRAIN], [TRAIN, ("eval", (0, 2)), TRAIN]],
                          ids=["probe-then-train", "between-steps"])
 def test_cast_from_a_forward_without_backward_is_not_reused(steps):
@@ -102,7 +90,6 @@ def test_cast_from_a_forward_without_backward_is_not_reused(steps):
     check_matches_native(_prog(ops, *steps))
 
 
-@_xfail("torch.autocast(enabled=False) regions are cast under O1 (found by the oracle)", "no branch fixes it yet")
 @pytest.mark.parametrize("op", ["mm", "@", "lin"])
 def test_torch_autocast_disabled_region_runs_in_fp32(op):
     """Code written for native autocast forces fp32 with ``torch.autocast(device_type, enabled=False)``
@@ -111,7 +98,6 @@ def test_torch_autocast_disabled_region_runs_in_fp32(op):
     check_matches_native(_prog([Op("lin"), Op("torch_off", 0, (Op(op),))], TRAIN))
 
 
-@_xfail("torch.autocast(enabled=False) regions are cast under O1 (found by the oracle)", "no branch fixes it yet")
 def test_custom_fwd_cast_inputs_runs_in_fp32():
     """``torch.amp.custom_fwd(cast_inputs=torch.float32)`` (the same mechanism: autocast off inside)."""
     check_matches_native(_prog([Op("lin"), Op("custom_fwd_mm")], TRAIN))

@@ -19,11 +19,16 @@ from oracle_gen import assume_ran, check_close_to_fp32, check_matches_native, pr
 from oracle_program import FEATURES, Op, Program, Step
 from oracle_run import AmpRunner
 
-# Features whose programs match today; the others are the known fault classes of issue 20.
+# Features whose programs matched before the issue 20 fixes; the others are its fault classes (fixed now: each
+# has its own search below, plus a fixed example in test_oracle_classes.py).
 KNOWN_BAD = {"data_write": "stale cast cache after .data writes", "out": "out= arguments",
              "checkpoint": "checkpoint recompute",
              "grad_eval": "cast cache kept across iterations without scale_loss (found by this oracle)",
              "torch_off": "torch.autocast(enabled=False) regions are cast under O1 (found by this oracle)"}
+# Still failing: the data_write search shrinks to a program with no .data write that diverges (grads ~1e34,
+# an overflow step amp_patch skips and native autocast, without a scaler, takes): a harness limit, not a cast.
+STILL_FAILING = {"data_write": "the data_write search finds a diverging program (an overflow step amp_patch "
+                 "skips, native takes), not a stale cast"}
 PASSING = frozenset(FEATURES) - set(KNOWN_BAD)
 # Against fp32 under O2/O3, deepcopy (shared masters) and .data writes (undone by the master copy) are known bad;
 # an fp32 region (x.float() into the model's own layers) does not apply: O2/O3 weights are half.
@@ -31,12 +36,7 @@ PASSING_O2 = PASSING - {"deepcopy", "data_write", "fp32_region"}
 
 
 def _xfail(reason):
-    where = "fixed on branch cast-faults/model-faults"
-    if "torch.autocast(enabled=False)" in reason:
-        where = "no branch fixes it yet"
-    elif "found by" in reason:
-        where = "expected to go with cast-faults' cache-growth fix"
-    return pytest.mark.xfail(strict=True, reason=f"issue 20: {reason}, {where}")
+    return pytest.mark.xfail(strict=True, reason=f"issue 20: {reason}")
 
 
 @profile(examples=100)
@@ -84,9 +84,11 @@ FOCUS = {"checkpoint": {"ckpt", "fp32_region"}, "grad_eval": {"fp32_region", "ev
          "torch_off": {"torch_off"}}
 
 
-@pytest.mark.parametrize("feature", [pytest.param(f, marks=_xfail(reason)) for f, reason in KNOWN_BAD.items()])
+@pytest.mark.parametrize("feature", [pytest.param(f, marks=_xfail(STILL_FAILING[f])) if f in STILL_FAILING else f
+                                     for f in KNOWN_BAD])
 def test_known_fault_class_is_found(feature):
-    """A search with this feature added to the passing ones: today it finds (and shrinks) a mismatch."""
+    """A search with this fault class's feature added to the passing ones finds no mismatch (before its fix it
+    found and shrank one)."""
     @profile(examples=100)
     @given(program=programs(PASSING | {feature}, focus=FOCUS.get(feature, ())))
     def prop(program):
@@ -94,8 +96,7 @@ def test_known_fault_class_is_found(feature):
     prop()
 
 
-@pytest.mark.parametrize("feature", [pytest.param("deepcopy", marks=_xfail("deepcopy of an O2 model")),
-                                     pytest.param("data_write", marks=_xfail("in-place edits of O2 weights"))])
+@pytest.mark.parametrize("feature", ["deepcopy", "data_write"])
 def test_known_o2_fault_class_is_found(feature):
     @profile(examples=100)
     @given(program=programs(**dict(_STABLE, features=PASSING_O2 | {feature})))
@@ -104,11 +105,10 @@ def test_known_o2_fault_class_is_found(feature):
     prop()
 
 
-@_xfail("cache, out=, checkpoint and cache-without-scale_loss classes")
 @profile()
-@given(program=programs(set(FEATURES) - {"torch_off"}))
+@given(program=programs(set(FEATURES)))
 def test_all_features_match_native_autocast_bitwise(program):
-    """Every feature together (torch_off, a class no branch fixes yet, has its own search above)."""
+    """Every feature together."""
     assume_ran(check_matches_native(program))
 
 

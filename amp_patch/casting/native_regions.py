@@ -1,0 +1,114 @@
+"""Native ``torch.autocast(enabled=False)`` regions turn amp_patch's casting off, as they turn native autocast off.
+
+Code written for native autocast forces fp32 with ``with torch.autocast("cuda"/"cpu", enabled=False): ...``
+(transformers' rotary embeddings; ``torch.cuda.amp.autocast(enabled=False)`` and ``torch.cpu.amp.autocast``
+subclass it). torch's own state cannot tell such a region from no region under an amp_patch session (native
+autocast is off in both), so while an engine is installed ``torch.amp.autocast_mode.autocast.__enter__`` and
+``__exit__`` are wrapped (reversibly, through the engine's Patcher): a region for the engine's device type
+(``engine.device_type``: ``"cuda"`` where CUDA is available, else ``"cpu"``) with ``enabled=False`` adds one
+level to this thread's ``disable_casts`` depth, a nested ``enabled=True`` one takes it back for its body (the
+innermost native region wins, as natively). Regions for another device type change nothing, as natively.
+amp_patch's own regions (``disable_casts()``, ``autocast(enabled=False)``, the optimizer-step pause) are counted
+apart: a native enabled region does not undo them.
+
+``torch.amp.custom_fwd`` asks ``torch.is_autocast_enabled(device_type)`` whether to open its fp32 region (with
+``cast_inputs``) and records the answer for ``custom_bwd``: asked from there, the patched ``is_autocast_enabled``
+also answers True while amp_patch casts in this thread for that device type, so ``cast_inputs=torch.float32``
+functions run in fp32 on fp32 inputs, as natively. ``custom_bwd`` then re-opens the forward's state as a region:
+an enabled one of those turns amp_patch's casting on without turning native autocast on (it was amp_patch's
+casting, not native's, that the forward saw; a forward under a genuine native region inside a session is
+replayed the same way). Under ``torch.compile`` dynamo handles autocast regions itself and never calls
+``__enter__``: the wrappers it traces cast as outside the region.
+"""
+import sys
+import threading
+
+import torch
+from torch.amp import autocast_mode
+
+_get_ident = threading.get_ident
+
+
+def _inner_code(decorator):
+    """The code object of the inner function ``custom_fwd``/``custom_bwd`` returns (found by decorating one)."""
+    decorated = decorator(lambda *args: None, device_type="cpu")
+    return getattr(decorated, "__code__", None)
+
+
+_CUSTOM_FWD = _inner_code(autocast_mode.custom_fwd)
+_CUSTOM_BWD = _inner_code(autocast_mode.custom_bwd)
+
+
+def engine_device_type():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def install(engine, patcher):
+    """Wrap ``autocast.__enter__``/``__exit__`` for ``engine`` (state: ``engine.native_regions``)."""
+    regions, disabled, device_type = engine.native_regions, engine.disabled, engine.device_type
+
+    def make_enter(original):
+        def __enter__(self):
+            if getattr(self, "device", None) != device_type:
+                return original(self)
+            off = not self._enabled
+            if not off and sys._getframe(1).f_code is _CUSTOM_BWD:
+                self._enabled = False  # the forward's casting was amp_patch's: replay it, native stays off
+            result = original(self)
+            _push(regions, disabled, self, off)
+            return result
+
+        return __enter__
+
+    def make_exit(original):
+        def __exit__(self, *exc):
+            try:
+                return original(self, *exc)
+            finally:
+                stack = regions.get(_get_ident())
+                if stack and stack[-1][0] is self:
+                    _pop(regions, disabled, stack)
+
+        return __exit__
+
+    patcher.install(autocast_mode.autocast, "__enter__", make_enter)
+    patcher.install(autocast_mode.autocast, "__exit__", make_exit)
+    patcher.install(torch, "is_autocast_enabled", lambda original: _answer_custom_fwd(original, engine))
+
+
+def _answer_custom_fwd(original, engine):
+    """``torch.is_autocast_enabled`` that, asked by ``custom_fwd``'s inner function, also says whether amp_patch
+    casts in this thread for ``engine.device_type`` (torch's answer everywhere else)."""
+    disabled, device_type, compiling = engine.disabled, engine.device_type, torch.compiler.is_compiling
+
+    def is_autocast_enabled(*args, **kwargs):
+        if compiling() or sys._getframe(1).f_code is not _CUSTOM_FWD:
+            return original(*args, **kwargs)
+        device = args[0] if args else kwargs.get("device_type", "cuda")
+        casting = device == device_type and not (disabled and _get_ident() in disabled)
+        return casting or original(*args, **kwargs)
+
+    is_autocast_enabled.__wrapped__ = original
+    return is_autocast_enabled
+
+
+def _push(regions, disabled, region, off):
+    """Enter a region: this thread's native-off state becomes ``off`` (one level of ``disabled`` while off)."""
+    stack = regions.setdefault(_get_ident(), [])
+    was_off = stack[-1][1] if stack else False
+    stack.append((region, off))
+    if off and not was_off:
+        disabled.enter()
+    elif was_off and not off:
+        disabled.exit()
+
+
+def _pop(regions, disabled, stack):
+    _, off = stack.pop()
+    was_off = stack[-1][1] if stack else False
+    if not stack:
+        del regions[_get_ident()]
+    if off and not was_off:
+        disabled.exit()
+    elif was_off and not off:
+        disabled.enter()

@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from . import dynamo_tables, forked, native_regions, recompute
+from . import dynamo_tables, forked, native_regions, recompute, warn_site
 from .resolve import resolve_target
 from .wrappers import CastCache, DisabledThreads, make_to_half, make_wrapper
 from .patcher import Patcher
@@ -65,6 +65,7 @@ class CastingEngine:
                 self._install_one(reg.owner, reg.entry)
             recompute.install(self, self.patcher)
             native_regions.install(self, self.patcher)
+            warn_site.install(self.patcher)
         except BaseException:
             self.patcher.restore_all()
             raise

@@ -85,3 +85,46 @@ def test_the_region_casts_functions_as_with_no_session(level):
     assert inside.dtype is torch.bfloat16
     assert torch.mm(a, a).dtype is torch.float32 and _state.active_engine() is None
     assert torch.equal(inside, torch.mm(a.bfloat16(), a.bfloat16()))
+
+
+# --- two optimizers over one param under master weights (each would keep its own master: wrong numbers) ---
+
+def _two_sgd_over_one_model():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_two_optimizers_over_one_param_are_refused_at_o2_before_anything_changes():
+    zero_grad, hooks = torch.optim.Optimizer.zero_grad, _hooks()
+    model, o1, o2 = _two_sgd_over_one_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(amp_patch.ConfigError, match=r"SGD and SGD.*'weight'.*opt_level='O2'.*param groups"):
+        amp_patch.initialize(model, [o1, o2], opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    _assert_undone(model, zero_grad, hooks)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert o1.param_groups[0]["params"][0] is model.weight and not o1.state
+
+
+@pytest.mark.parametrize("level", ["O1", "O3"])
+def test_two_optimizers_over_one_param_are_kept_without_masters(level):
+    model, o1, o2 = _two_sgd_over_one_model()  # no masters: both step the one param, as in fp32
+    amp_patch.initialize(model, [o1, o2], opt_level=level, half_dtype=torch.bfloat16, verbosity=0)
+
+
+def test_two_optimizers_over_separate_params_are_accepted_at_o2():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    o1, o2 = torch.optim.SGD([model.weight], lr=0.1), torch.optim.SGD([model.bias], lr=0.1)
+    amp_patch.initialize(model, [o1, o2], opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_attach_optimizers_refuses_an_optimizer_over_an_attached_param(together):
+    model, o1, o2 = _two_sgd_over_one_model()
+    model = amp_patch.initialize(model, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    if not together:
+        amp_patch.attach_optimizers(o1)  # its params are the fp32 masters from now on
+    with pytest.raises(amp_patch.ConfigError, match=r"two optimizers .*'weight'"):
+        amp_patch.attach_optimizers([o1, o2] if together else o2)
+    assert len(_state.current().opt_states) == (0 if together else 1)

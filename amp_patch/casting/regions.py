@@ -4,7 +4,8 @@ It takes ``torch.autocast``'s arguments with their meaning (``device_type``, ``d
 ``cache_enabled``; ``dtype`` defaults to the device's autocast dtype, as torch's does) and refuses what it
 cannot honour. Inside an initialized O1 session casting is already on, so ``autocast()`` is a
 no-op and ``autocast(enabled=False)`` turns casting off for the region. With no
-session, or inside an O0/O2/O3 session (which casts no functions), the outermost region installs a temporary engine and removes every
+session, or inside an O0/O2/O3 session (which casts no functions; it stays the
+active session), the outermost region installs a temporary engine and removes every
 patch on exit, so nothing leaks past the region (patches are process-wide: other
 threads see them while the region is open).
 """

@@ -22,8 +22,17 @@ def activate(session=None, engine=None):
 
 
 def deactivate():
+    """No session. The engine goes with it unless it is an ``autocast()`` region's (opened inside an O0/O2/O3
+    session, which has none): that region removes its own patches on exit."""
+    session = _active["session"]
+    if session is None or _active["engine"] is getattr(session, "engine", None):
+        _active["engine"] = None
     _active["session"] = None
-    _active["engine"] = None
+
+
+def set_region_engine(engine):
+    """An ``autocast()`` region's engine on (or, with None, off); the session, if any, stays the active one."""
+    _active["engine"] = engine
 
 
 def allow_incoming_model_not_fp32():

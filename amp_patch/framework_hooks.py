@@ -12,6 +12,7 @@ import torch
 
 from . import distributed
 from .errors import UsageError
+from .initialize_checks import _held, check_no_shared_params
 from .frontend import _as_list, _attach_optimizers, _link_masters
 from .scaling.protocol import _finish_step, _quiet, current_session
 
@@ -34,6 +35,9 @@ def attach_optimizers(optimizers, *, unscale_loss_id=None):
         if id(opt) in session.opt_states:
             raise UsageError(f"this {type(opt).__name__} optimizer is already attached to the amp_patch session; "
                              "attach each optimizer once (initialize(model, opt) or attach_optimizers(opt))")
+    attached = [(state.optimizer, [p for pair in state.pairs for p in pair] + _held(state.optimizer))
+                for state in session.opt_states.values()]
+    check_no_shared_params(session.props, opt_list, session.models, attached)
     _follow_devices(session.fp32_data, opt_list)
     _attach_optimizers(session, opt_list, session.fp32_data)
     states = [session.state_for(opt) for opt in opt_list]

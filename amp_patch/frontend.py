@@ -10,7 +10,7 @@ from .casting.engine import CastingEngine
 from .errors import ConfigError
 from .initialize_checks import (_as_list, _check_enabled, _check_incoming_fp32, _check_models,  # noqa: F401
                                 _check_not_initialized, _check_optimizers_train_models, _check_the_rest,
-                                _make_scalers, _pack)
+                                _make_scalers, _pack, check_no_shared_params)
 from .models import CallOnForward, ModelPatch
 from .opt_levels import resolve
 from .scaling.optimizer_state import OptimizerState
@@ -56,6 +56,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     props, fsdp_groups, unsharded = distributed.check_fsdp_at_initialize(model_list, props, master_weights)
     # every argument is checked before anything is touched: a ConfigError leaves the models as they were
     _check_optimizers_train_models(props, model_list, opt_list)
+    check_no_shared_params(props, opt_list, model_list)
     scalers = _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor, backoff_factor,
                             growth_interval, hysteresis)
     table = _check_the_rest(props, history_size, op_lists)

@@ -44,6 +44,31 @@ def _check_optimizers_train_models(props, models, optimizers):
 
 
 
+def _held(opt):
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def check_no_shared_params(props, optimizers, models, attached=()):
+    """Under master weights each optimizer keeps its own fp32 master of each param it holds: two optimizers over
+    one param would train two masters, and each step() would copy its own into the param (wrong numbers).
+    ``attached``: (optimizer, the params it holds: model params and their masters) of a running session."""
+    if not props.master_weights:
+        return
+    names = {id(p): n for m in models for n, p in m.named_parameters()}
+    owner = {}
+    for opt, params in [*attached, *((opt, _held(opt)) for opt in optimizers)]:
+        for p in params:
+            first = owner.setdefault(id(p), opt)
+            if first is not opt:
+                name = names.get(id(p), f"of shape {tuple(p.shape)}")
+                raise ConfigError(
+                    f"two optimizers ({type(first).__name__} and {type(opt).__name__}) hold the same param "
+                    f"{name!r} under master weights (opt_level={props.opt_level!r}): each would keep its own fp32 "
+                    "master of it and the half param would get only the last step()'s update. Give each param to "
+                    "one optimizer, or use one optimizer with param groups (e.g. SGD([{'params': a}, "
+                    "{'params': b, 'lr': 1e-3}]))")
+
+
 def _as_list(objs, what, kind):
     if objs is None:
         return []

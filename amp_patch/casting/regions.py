@@ -4,7 +4,8 @@ It takes ``torch.autocast``'s arguments with their meaning (``device_type``, ``d
 ``cache_enabled``; ``dtype`` defaults to the device's autocast dtype, as torch's does) and refuses what it
 cannot honour. Inside an initialized O1 session casting is already on, so ``autocast()`` is a
 no-op and ``autocast(enabled=False)`` turns casting off for the region. With no
-session, the outermost region installs a temporary engine and removes every
+session, or inside an O0/O2/O3 session (which casts no functions; it stays the
+active session), the outermost region installs a temporary engine and removes every
 patch on exit, so nothing leaks past the region (patches are process-wide: other
 threads see them while the region is open).
 """
@@ -98,11 +99,11 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
                           "use scopes", UserWarning, stacklevel=3)
         with _lock:
             engine.install()
-            _state.activate(None, engine)
+            _state.set_region_engine(engine)  # an O0/O2/O3 session (no engine of its own) stays the active one
 
         def close():
             with _lock:
-                _state.deactivate()
+                _state.set_region_engine(None)
                 engine.uninstall()
 
         return close
@@ -143,10 +144,10 @@ def reopened(engine):
                           registrations=engine.registrations)
     with _lock:
         fresh.install()
-        _state.activate(None, fresh)
+        _state.set_region_engine(fresh)
     try:
         yield fresh
     finally:
         with _lock:
-            _state.deactivate()
+            _state.set_region_engine(None)
             fresh.uninstall()

@@ -24,7 +24,6 @@ DATA_WRITES = {"assign": ("data", (0, 2, 5)), "copy_": ("data", (1, 2, 5)), "vec
                "clamp_": ("data", (3, 2, 5))}
 
 
-@_xfail("stale cast cache after .data writes")
 @pytest.mark.parametrize("write", list(DATA_WRITES))
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_stale_cache_after_data_write(write, dtype):
@@ -32,7 +31,6 @@ def test_stale_cache_after_data_write(write, dtype):
     check_matches_native(_prog([Op("lin")], EVAL, DATA_WRITES[write], EVAL, dtype=dtype))
 
 
-@_xfail("stale cast cache after .data writes")
 def test_stale_cache_seen_by_a_deepcopy_step():
     check_matches_native(_prog([Op("lin")], EVAL, DATA_WRITES["copy_"], ("deepcopy", (0,))))
 
@@ -90,8 +88,6 @@ def test_o2_weight_edit_survives_the_next_step(write):
     check_close_to_fp32(_prog([Op("lin")], TRAIN, DATA_WRITES[write], TRAIN), AmpRunner("O2"))
 
 
-@_xfail("cast cache kept across iterations without scale_loss (found by the oracle)",
-        "expected to go with cast-faults' cache-growth fix")
 @pytest.mark.parametrize("steps", [[("eval", (0, 2)), TRAIN], [TRAIN, ("eval", (0, 2)), TRAIN]],
                          ids=["probe-then-train", "between-steps"])
 def test_cast_from_a_forward_without_backward_is_not_reused(steps):

@@ -148,3 +148,54 @@ def test_no_casts_are_kept_after_a_forward_returns(session):
     with torch.no_grad():
         session(torch.randn(2, 4))
     assert len(engine.cache) == 0
+
+
+# -- item 5a: a model called twice before one backward -------------------------------------------------------------
+def _twice_grads(model, xs):
+    loss = model(xs[0]).float().sum() + model(xs[1]).float().pow(2).sum()
+    loss.backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_a_model_called_twice_in_a_standalone_region_matches_native_bitwise():
+    """docs/coverage.md: without a session, one autocast() region around both calls casts once, as native."""
+    xs = [torch.randn(3, 4), torch.randn(3, 4)]
+    with torch.autocast("cpu", dtype=BF16):
+        native = _twice_grads(_net(), xs)
+    with amp_patch.autocast("cpu", dtype=BF16, op_lists="torch_cpu"):
+        ours = _twice_grads(_net(), xs)
+    assert all(torch.equal(a, b) for a, b in zip(native, ours))
+
+
+def test_each_forward_of_a_model_called_twice_matches_native_bitwise(session):
+    """In a session each forward casts afresh: the outputs are native's; only the grads' summation order differs."""
+    xs = [torch.randn(3, 4), torch.randn(3, 4)]
+    outs = [session(x) for x in xs]
+    for x, out in zip(xs, outs):
+        assert torch.equal(out.detach(), _native(session, x))
+
+
+# -- item 5b: einsum / tensordot / inner are unlisted in torch_cpu (docs/coverage.md says why) -----------------------
+def _entry_cast_matches_native(fn, *shapes):
+    args = [torch.randn(s) for s in shapes]
+    with torch.autocast("cpu", dtype=BF16):
+        native = fn(*args)
+    cast = fn(*[a.to(BF16) for a in args])
+    return native.dtype == cast.dtype and torch.equal(native.float(), cast.float())
+
+
+def test_casting_einsum_tensordot_inner_at_entry_cannot_match_native():
+    """Guards the decision not to list them: for some shapes casting the inputs at entry differs from native."""
+    einsum = torch.einsum
+    assert _entry_cast_matches_native(lambda a, b: einsum("ij,jk->ik", a, b), (5, 7), (7, 3))
+    assert not _entry_cast_matches_native(lambda a, b: einsum("ijk,jl->il", a, b), (5, 6, 7), (6, 3))
+    assert not _entry_cast_matches_native(lambda a, b: einsum("i,j->ij", a, b), (9,), (4,))
+    assert not _entry_cast_matches_native(lambda a, b: torch.tensordot(a, b, dims=3), (2, 3, 4), (2, 3, 4))
+    assert not _entry_cast_matches_native(torch.inner, (7,), (7,))
+
+
+def test_einsum_tensordot_inner_run_in_their_input_dtype_under_torch_cpu():
+    a, b = torch.randn(3, 3), torch.randn(3, 3)
+    with amp_patch.autocast("cpu", dtype=BF16, op_lists="torch_cpu"):
+        outs = [torch.einsum("ij,jk->ik", a, b), torch.tensordot(a, b, dims=1), torch.inner(a, b)]
+    assert [o.dtype for o in outs] == [torch.float32] * 3

@@ -12,7 +12,8 @@ import torch
 
 from . import dynamo_tables, forked, recompute
 from .resolve import resolve_target
-from .wrappers import CastCache, DisabledThreads, make_to_half, make_wrapper
+from .cache import CastCache, make_to_half
+from .wrappers import DisabledThreads, make_wrapper
 from .patcher import Patcher
 from .scopes import ScopeRuntime, passthrough, unmatched_globs
 

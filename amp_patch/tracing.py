@@ -14,7 +14,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _state
-from .casting.wrappers import HALF_DTYPES, iter_tensors, make_to_half, make_wrapper
+from .casting.cache import make_to_half
+from .casting.wrappers import HALF_DTYPES, iter_tensors, make_wrapper
 from .errors import UsageError
 
 _FIELDS = ("qualname", "category", "source", "scope", "module", "calls", "input_dtypes", "output_dtypes", "casts",

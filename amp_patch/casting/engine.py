@@ -12,7 +12,8 @@ import torch
 
 from . import dynamo_tables, forked, native_regions, recompute, warn_site
 from .resolve import resolve_target
-from .wrappers import CastCache, DisabledThreads, make_to_half, make_wrapper
+from .cache import CastCache, make_to_half
+from .wrappers import DisabledThreads, make_wrapper
 from .patcher import Patcher
 from .scopes import ScopeRuntime, passthrough, unmatched_globs
 
@@ -28,14 +29,14 @@ class CastingEngine:
         self.half_dtype = half_dtype
         self.allow_banned = allow_banned
         self.registrations = tuple(registrations)
-        self.cache = CastCache()
+        self.forwards = {}  # thread ident -> depth of session-model forwards open there (deinitialize checks it)
+        self.cache = CastCache(self.forwards)  # (used only in those forwards and autocast() regions)
         self.disabled = DisabledThreads()
         self.to_half = make_to_half(half_dtype, self.cache, self.disabled)
         self.patcher = Patcher()
         self.tracer = None
         self._dynamo_table = None  # dynamo's table as built before patching (see dynamo_tables)
         self._paused = set()  # threads inside an optimizer step
-        self.forwards = {}  # thread ident -> depth of session-model forwards open there (deinitialize checks it)
         self.scopes = ScopeRuntime(table.scopes) if getattr(table, "scopes", ()) else None
         self.device_type = native_regions.engine_device_type()  # whose torch.autocast(enabled=False) regions count
         self.native_regions = {}  # thread ident -> open native autocast regions of device_type (native_regions)
@@ -128,6 +129,13 @@ class CastingEngine:
     def clear_cache(self):
         self.cache.clear()
 
+    def enter_region(self):
+        """An ``amp_patch.autocast()`` region opens in this thread: the cast cache serves it."""
+        self.cache.enter_region()
+
+    def exit_region(self):
+        self.cache.exit_region()
+
     def begin_forward(self):
         """A forward of a session's model starts: end a step pause, drop the casts of the last forward (a weight
         may have changed through ``.data`` since, which nothing can detect: see ``CastCache``)."""
@@ -139,8 +147,8 @@ class CastingEngine:
         self.forwards[ident] = self.forwards.get(ident, 0) + 1
 
     def end_forward(self):
-        """A forward of a session's model returned (one that raised is forgotten at the thread's next
-        scale_loss: ``forget_forwards``)."""
+        """A forward of a session's model returned: the outermost drops the casts (one that raised is forgotten
+        at the thread's next scale_loss: ``forget_forwards``)."""
         if _compiling():
             return
         ident = threading.get_ident()
@@ -149,6 +157,8 @@ class CastingEngine:
             self.forwards[ident] = depth
         else:
             self.forwards.pop(ident, None)
+            if ident not in self.cache.regions:  # the region is over: keep no casts (and no weights) alive
+                self.cache.entries.clear()
 
     def forget_forwards(self):
         self.forwards.pop(threading.get_ident(), None)

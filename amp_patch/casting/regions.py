@@ -82,7 +82,8 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         if engine is not None and not self.enabled:
             stack.enter_context(engine.casts_disabled())
         elif engine is not None:
-            stack.callback(engine.clear_cache)  # torch.autocast drops its cache as a region exits: so does this
+            engine.enter_region()  # the cast cache serves the region; torch.autocast drops its cache as a
+            stack.callback(engine.exit_region)  # region exits: so does this
         elif engine is None and self.enabled:
             stack.callback(self._open_region())
         self._frames().append(stack)
@@ -100,6 +101,7 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         with _lock:
             engine.install()
             _state.set_region_engine(engine)  # an O0/O2/O3 session (no engine of its own) stays the active one
+        engine.enter_region()
 
         def close():
             with _lock:

@@ -13,8 +13,8 @@ import threading
 import torch
 
 from ..errors import BannedOpError, CastError, ConfigError
+from .cache import CastCache, make_to_half  # noqa: F401 - the cast cache and its caster (re-exported)
 from .switch import DisabledThreads  # noqa: F401 - the engine's per-thread switch (re-exported)
-from .switch import live_while_tracing
 
 Tensor = torch.Tensor
 Parameter = torch.nn.Parameter
@@ -125,68 +125,9 @@ def cast_kwargs(cast, kwargs):
             for k, v in kwargs.items()}
 
 
-class CastCache:
-    """Per-forward cache of fp32 parameter -> half casts.
-
-    Keyed by ``id`` of the source parameter; an entry holds the source (so the id
-    cannot be reused while cached), its ``_version`` at cast time, the grad mode
-    of the cast and the cast tensor. An entry made under ``no_grad`` never
-    serves a grad-mode call, and an in-place change of the source invalidates it.
-
-    Writes through ``.data`` (``p.data = w``, ``p.data.copy_(w)``, ``vector_to_parameters``) move neither
-    ``p._version`` (``.data`` has its own version counter) nor, for ``copy_``, the storage pointer, so no key can
-    see them: like torch.autocast, which drops its cache when the outermost region exits, the engine drops this
-    one at each forward of a session's model, at each ``amp_patch.autocast()`` region's exit and at scale_loss.
-    Only ``nn.Parameter`` leaves are cached (torch caches any leaf that requires grad): a fresh input leaf per
-    iteration (adversarial attacks, input-gradient evaluation) is never worth keeping and would grow the cache.
-    """
-
-    def __init__(self):
-        self.entries = {}
-
-    def clear(self):
-        self.entries.clear()
-
-    def __len__(self):
-        return len(self.entries)
-
-
 # ``t.half()`` / ``t.bfloat16()`` parse no arguments: measurably cheaper per call than ``t.to(dtype=...)``
 _CAST_METHOD = {torch.float16: Tensor.half, torch.bfloat16: Tensor.bfloat16, torch.float32: Tensor.float,
                 torch.float64: Tensor.double}
-
-
-def make_to_half(half_dtype, cache, disabled=None):
-    """The caster for ``half`` ops: fp32 (cached for leaves that require grad) and the other 16-bit dtype; while
-    dynamo traces, it also asks the live switch ``disabled`` (see ``switch.live_while_tracing``)."""
-    other = next(d for d in HALF_DTYPES if d is not half_dtype)
-    off_while_tracing = live_while_tracing(disabled if disabled is not None else {})
-    cast = _CAST_METHOD[half_dtype]
-    entries = cache.entries
-    get = entries.get
-    grad_enabled = torch.is_grad_enabled
-    compiling = torch.compiler.is_compiling
-    tracing = torch._C._is_tracing
-
-    def to_half(t):
-        dt = t.dtype
-        if dt is FP32:
-            if compiling():  # dynamo: no data-dependent cache checks in the graph (it casts once)
-                return t if off_while_tracing() else cast(t)
-            if tracing():  # torch.jit.trace: a cast cached before the trace would become a graph constant
-                return cast(t)
-            hit = get(id(t))
-            if hit is not None and hit[0] is t and hit[1] == t._version and (hit[2] or not grad_enabled()):
-                return hit[3]
-            out = cast(t)
-            if t.requires_grad and isinstance(t, Parameter) and t.is_leaf:
-                entries[id(t)] = (t, t._version, grad_enabled(), out)
-            return out
-        if dt is other:
-            return cast(t)
-        return t
-
-    return to_half
 
 
 def to_float(t, _float=Tensor.float):

@@ -166,9 +166,10 @@ def _attach_optimizers(session, optimizers, fp32_data):
     for opt in optimizers:
         props = session.props
         state = OptimizerState(opt, master_weights=props.master_weights, fp32_data=fp32_data,
-                               storage=make_storage(props.master_storage, props.master_rounding))
+                               storage=make_storage(props.master_storage, props.master_rounding), attach=False)
         session.opt_states[id(opt)] = state
-        session.undo.append(state.restore)
+        session.undo.append(state.restore)  # before attach: an interrupt inside it is undone too
+        state.attach(fp32_data)
 
 
 def _link_masters(session):

@@ -32,8 +32,11 @@ def _hooks():
             dict(module_mod._global_parameter_registration_hooks))
 
 
-def _assert_clean(model, hooks_before):
+def _assert_clean(model, hooks_before, opt=None):
     assert _state.current() is None
+    if opt is not None:  # the optimizer holds the model's params again (not fp32 masters)
+        assert [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in model.parameters()]
+        assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
     assert torch.is_grad_enabled(), "grad mode left off"
     assert torch.optim.Optimizer.zero_grad is ZERO_GRAD, "Optimizer.zero_grad left patched"
     assert _hooks() == hooks_before, "a global registration hook leaked"
@@ -63,7 +66,17 @@ def _initialize_interrupted(level, arm=None):
     with pytest.raises(KeyboardInterrupt):
         amp_patch.initialize(model, opt, opt_level=level, verbosity=0)
     amp_patch.deinitialize()  # (a no-op where the failed initialize undid everything)
-    return model, hooks
+    return model, hooks, opt
+
+
+@pytest.mark.parametrize("name", ["__init__", "attach"])
+def test_ctrl_c_right_after_the_masters_went_into_the_optimizer(monkeypatch, name):
+    """O2's OptimizerState put the fp32 masters into param_groups, then Ctrl-C: the model params go back."""
+    from amp_patch.scaling.optimizer_state import OptimizerState
+    _interrupt_after(monkeypatch, OptimizerState, name)
+    model, hooks, opt = _initialize_interrupted("O2")
+    monkeypatch.undo()
+    _assert_clean(model, hooks, opt)
 
 
 @pytest.mark.parametrize("name", ["register_module_module_registration_hook",
@@ -71,18 +84,18 @@ def _initialize_interrupted(level, arm=None):
 def test_ctrl_c_right_after_a_registration_hook_is_installed(monkeypatch, name):
     """The hook is in torch's global dict but its handle never reached amp_patch: it is removed all the same."""
     _interrupt_after(monkeypatch, module_mod, name)
-    model, hooks = _initialize_interrupted("O2")
+    model, hooks, opt = _initialize_interrupted("O2")
     monkeypatch.undo()
-    _assert_clean(model, hooks)
+    _assert_clean(model, hooks, opt)
 
 
 @pytest.mark.parametrize("level,n", [("O1", 1), ("O1", 2), ("O1", 40), ("O2", 1), ("O2", 2), ("O3", 1)])
 def test_ctrl_c_right_after_a_patch_is_installed(monkeypatch, level, n):
     """Patcher.install's n-th call patched its attribute, then Ctrl-C (O1's first: Optimizer.zero_grad)."""
     _interrupt_after(monkeypatch, Patcher, "install", n)
-    model, hooks = _initialize_interrupted(level)
+    model, hooks, opt = _initialize_interrupted(level)
     monkeypatch.undo()
-    _assert_clean(model, hooks)
+    _assert_clean(model, hooks, opt)
 
 
 class _Flaky:
@@ -139,10 +152,10 @@ def test_ctrl_c_inside_no_grad_while_undoing_an_interrupted_initialize_leaves_gr
         _interrupt_after(monkeypatch, frontend, "_install_casting")
         _no_grad_interrupted(monkeypatch, which)
 
-    model, hooks = _initialize_interrupted(level, arm)
+    model, hooks, opt = _initialize_interrupted(level, arm)
     assert torch.is_grad_enabled()
     monkeypatch.undo()
-    _assert_clean(model, hooks)
+    _assert_clean(model, hooks, opt)
 
 
 @pytest.mark.parametrize("which", ["__enter__", "__exit__"])
@@ -157,7 +170,7 @@ def test_ctrl_c_inside_no_grad_during_deinitialize_leaves_grads_on(monkeypatch, 
     assert torch.is_grad_enabled()
     monkeypatch.undo()
     amp_patch.deinitialize()
-    _assert_clean(model, hooks)
+    _assert_clean(model, hooks, opt)
 
 
 def test_deinitialize_leaves_the_grad_mode_it_was_called_in():
@@ -193,7 +206,7 @@ def test_ctrl_c_in_each_undo_step_then_a_second_deinitialize_finishes(level):
             amp_patch.deinitialize()
         assert _state.current() is session
         amp_patch.deinitialize()
-        _assert_clean(model, hooks)
+        _assert_clean(model, hooks, opt)
 
 
 def test_ctrl_c_as_deinitialize_hands_the_session_over_keeps_it_for_the_retry(monkeypatch):
@@ -208,7 +221,7 @@ def test_ctrl_c_as_deinitialize_hands_the_session_over_keeps_it_for_the_retry(mo
     monkeypatch.undo()
     assert _state.current() is session
     amp_patch.deinitialize()
-    _assert_clean(model, hooks)
+    _assert_clean(model, hooks, opt)
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
@@ -239,7 +252,7 @@ def test_ctrl_c_from_a_timer_at_varying_points(phase):
             finally:
                 _cancel_timer()
             amp_patch.deinitialize()  # docs: a second call finishes the job
-            _assert_clean(model, hooks)
+            _assert_clean(model, hooks, opt)
     finally:
         _cancel_timer()
         signal.signal(signal.SIGALRM, old)

@@ -61,6 +61,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                             growth_interval, hysteresis)
     table = _check_the_rest(props, history_size, op_lists)
     session = Session(props)
+    session.grad_enabled = torch.is_grad_enabled()  # what undoing a failed (or interrupted) initialize leaves
     session.fsdp_groups = fsdp_groups
     try:
         _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks)
@@ -93,6 +94,7 @@ def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_
 def _commit(session):
     """The session becomes the active one; the models stop keeping their pre-initialize fp32 values."""
     _state.activate(session, session.engine)
+    session.grad_enabled = None  # deinitialize leaves the grad mode it is called in
     for patch in session.model_patches:
         patch.commit()
 
@@ -128,8 +130,8 @@ def _guard_zero_grad(session):
             return result
         return zero_grad
 
+    session.undo.append(patcher.restore_all)  # first: an interrupt right after install leaves nothing behind
     patcher.install(torch.optim.Optimizer, "zero_grad", make)
-    session.undo.append(patcher.restore_all)
     for state in session.opt_states.values():
         if state.pairs and type(state.optimizer).zero_grad is not torch.optim.Optimizer.zero_grad:
             log.warning("%s overrides zero_grad(); after a failed batch also call model.zero_grad() "
@@ -165,9 +167,10 @@ def _attach_optimizers(session, optimizers, fp32_data):
     for opt in optimizers:
         props = session.props
         state = OptimizerState(opt, master_weights=props.master_weights, fp32_data=fp32_data,
-                               storage=make_storage(props.master_storage, props.master_rounding))
+                               storage=make_storage(props.master_storage, props.master_rounding), attach=False)
         session.opt_states[id(opt)] = state
-        session.undo.append(state.restore)
+        session.undo.append(state.restore)  # before attach: an interrupt inside it is undone too
+        state.attach(fp32_data)
 
 
 def _link_masters(session):
@@ -284,12 +287,14 @@ def deinitialize():
     if session is None:
         return  # an open autocast() region (no session) keeps its engine: it removes its own patches on exit
     check_idle_elsewhere(session)
-    _state.deactivate()
+    closed = False
     try:
+        _state.deactivate()
         session.close()
-    except BaseException:
-        _state.activate(session)  # (no engine: casting stays off) a second deinitialize() retries what failed
-        raise
+        closed = True
+    finally:
+        if not closed:  # (no engine: casting stays off) a second deinitialize() retries what failed
+            _state.activate(session)
 
 
 def clear_cache():

@@ -104,13 +104,19 @@ class RegistrationWatch:
         self.handles = []
 
     def install(self):
-        self.handles = [_module_mod.register_module_module_registration_hook(self._bump),
-                        _module_mod.register_module_parameter_registration_hook(self._bump)]
+        self.handles.append(_module_mod.register_module_module_registration_hook(self._bump))
+        self.handles.append(_module_mod.register_module_parameter_registration_hook(self._bump))
         return self
 
     def remove(self):
+        """Remove the hooks (again safe); also one whose handle an interrupt lost between register and append."""
         while self.handles:
-            self.handles.pop().remove()
+            self.handles[-1].remove()
+            self.handles.pop()
+        for hooks in (_module_mod._global_module_registration_hooks,
+                      _module_mod._global_parameter_registration_hooks):
+            for key in [key for key, hook in hooks.items() if hook == self._bump]:
+                del hooks[key]
 
     def _bump(self, *args):
         self.generation += 1
@@ -320,8 +326,9 @@ class ModelPatch:
 
     def cast_io(self, input_dtype, output_dtype, keep_types):
         """Cast floating inputs of the model to its weights' dtype and its outputs to ``output_dtype``."""
-        watch = RegistrationWatch().install()
-        self.handles.append(watch)
+        watch = RegistrationWatch()
+        self.handles.append(watch)  # before it installs: restore() removes it whenever an interrupt lands
+        watch.install()
         self.handles.append(forward_pre_hook(self.model, CastInputs(self.like, input_dtype, keep_types, watch),
                                              with_kwargs=True))
         self.handles.append(forward_hook(self.model, CastOutputs(output_dtype)))
@@ -357,8 +364,9 @@ class ModelPatch:
     def restore(self, masters=None):
         """Remove the hooks and give params/buffers back their dtypes (params get the master values; after a
         failed initialize, params and buffers get their very pre-initialize data back)."""
-        while self.handles:
-            self.handles.pop().remove()
+        while self.handles:  # removed, then forgotten (an interrupt between the two loses no hook)
+            self.handles[-1].remove()
+            self.handles.pop()
         masters = {**(masters or {}), **self.kept}
         for pid, (param, dtype) in self.original_dtypes.items():
             master = masters.get(pid)

@@ -1,6 +1,8 @@
 """The session: every piece of state one ``initialize`` call creates, and how to undo it."""
 import logging
 
+import torch
+
 from .casting import early_bound
 
 from .errors import UsageError
@@ -19,6 +21,7 @@ class Session:
         self.opt_states = {}
         self.scalers = []
         self.undo = []  # extra callables run (newest first) by close()
+        self.grad_enabled = None  # the grad mode close() leaves (set by initialize, else at the first close())
         self.models = []
         self.rerouted = []  # early-bound module attributes routed through the wrappers
         self._early_undo = None
@@ -74,25 +77,41 @@ class Session:
 
         Every step runs even if another raises (an exception or a KeyboardInterrupt); the steps that failed stay
         in ``undo``, in order, so calling ``close()`` again retries just those, and the first failure is
-        re-raised once the others have run.
+        re-raised once the others have run. A step is forgotten only once it has run (an interrupt between
+        two steps loses none), and the grad mode is put back whatever happened (an interrupt inside a step's
+        ``torch.no_grad()`` could leave grads off).
         """
-        failed, first = [], None
-        while self.undo:
-            step = self.undo.pop()
-            try:
-                step()
-            except BaseException as exc:  # noqa: B036 - re-raised below, after the other undo steps
-                failed.append(step)
-                first = first if first is not None else exc
-        if failed:
-            self.undo = failed[::-1]
+        if self.grad_enabled is None:
+            self.grad_enabled = torch.is_grad_enabled()
+        try:
+            first = self._run_undo()
+        finally:
+            torch.set_grad_enabled(self.grad_enabled)
+        if first is not None:
             log.warning("%d undo step(s) of amp_patch failed; call amp_patch.deinitialize() again to retry them",
-                        len(failed))
+                        len(self.undo))
             raise first
         self.opt_states.clear()
         self.model_patches.clear()
         self.fp32_data = {}
         self.engine = None
+
+    def _run_undo(self):
+        """Run the undo steps newest first, each marked done (None) in place once it ran; the failed ones stay."""
+        first = None
+        for index in range(len(self.undo) - 1, -1, -1):
+            step = self.undo[index]
+            if step is None:
+                continue
+            try:
+                step()
+            except BaseException as exc:  # noqa: B036 - re-raised by close(), after the other undo steps
+                first = first if first is not None else exc
+                continue
+            self.undo[index] = None
+        self.undo = [step for step in self.undo if step is not None]
+        return first
+
 
 def _suggest(loss_id, scalers):
     return loss_id + 1 if isinstance(loss_id, int) and loss_id >= len(scalers) else len(scalers)

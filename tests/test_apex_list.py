@@ -140,6 +140,9 @@ def _promote_cases(gen):
         ("Tensor.add", lambda: h.add(f), lambda: h.float().add(f)),
         ("torch.atan2", lambda: torch.atan2(h, f), lambda: torch.atan2(h.float(), f)),
         ("Tensor.atan2", lambda: h.atan2(f), lambda: h.float().atan2(f)),
+        ("torch.dot", lambda: torch.dot(h, f), lambda: torch.dot(h.float(), f)),
+        ("torch.vdot", lambda: torch.vdot(h, f), lambda: torch.vdot(h.float(), f)),
+        ("Tensor.vdot", lambda: f.vdot(h), lambda: f.vdot(h.float())),
         ("torch.cat", lambda: torch.cat([h, f]), lambda: torch.cat([h.float(), f])),
         ("torch.cat-tuple", lambda: torch.cat((f, h), dim=0), lambda: torch.cat((f, h.float()), dim=0)),
         ("torch.stack", lambda: torch.stack([h, f]), lambda: torch.stack([h.float(), f])),
@@ -153,6 +156,40 @@ def test_mixed_promote_ops_run_in_float32(gen, name):
         out = case[1]()
     assert out.dtype == torch.float32, name
     assert torch.equal(out, case[2]()), name
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_spectral_norm_trains_under_o1_with_the_apex_list(half):
+    """parametrizations.spectral_norm computes sigma = vdot(u, mv(W, v)): u float, mv half under the apex list.
+    vdot is promoted (as Apex promoted dot), so the layer runs; its output and grads are fp32's within half's
+    precision."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    def run(level):
+        torch.manual_seed(0)
+        model = spectral_norm(nn.Linear(8, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if level:
+            model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=half, verbosity=0)
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+        try:
+            out = model(x)
+            loss = out.float().square().mean()
+            if level:
+                with amp_patch.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            else:
+                loss.backward()
+            grad = model.parametrizations.weight.original.grad.clone()
+            opt.step()
+            return out.float().detach(), grad, model(x).float().detach()
+        finally:
+            if level:
+                amp_patch.deinitialize()
+
+    tol = {"atol": 2e-2, "rtol": 2e-2} if half is torch.bfloat16 else {"atol": 3e-3, "rtol": 3e-3}
+    for got, want in zip(run("O1"), run(None)):
+        torch.testing.assert_close(got, want, **tol)
 
 
 def test_promote_of_same_dtype_is_untouched(gen):

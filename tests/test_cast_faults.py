@@ -373,6 +373,16 @@ def test_aliases_with_conflicting_entries_are_refused(tmp_path, case):
     assert str(info.value).startswith(str(path) + ":")
 
 
+def test_an_alias_conflict_in_a_mapping_writes_the_other_entry_as_mapping_question_mark():
+    """An inline mapping has no lines: the other entry is ``<mapping>:?`` as in the message's head, not ``:None``."""
+    spec = {"half": {"torch": ["conv2d"]}, "float": {"torch.nn.functional": ["conv2d"]}}
+    with pytest.raises(amp_patch.OpListError) as info:
+        amp_patch.casting.oplist.load_op_lists(spec)
+    message = str(info.value)
+    assert message.startswith("<mapping>:?: ") and "(half, <mapping>:?) are one function" in message, message
+    assert "None" not in message, message
+
+
 def test_aliases_with_one_category_load(tmp_path):
     path = tmp_path / "same.yaml"
     path.write_text("half:\n  torch: [conv2d]\n  torch.nn.functional: [conv2d]\n")

@@ -131,3 +131,20 @@ def test_a_missing_module_or_file_says_how_to_pass_a_job(jobs_dir, capsys):
     assert _main("trace", "sub/missing.py:make_job") == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "no such file: 'sub/missing.py'" in err[0], err
+
+
+def test_a_job_calling_sys_exit_is_a_job_error_not_a_silent_exit(jobs_dir, capsys):
+    """``sys.exit(3)`` in the job function (or at the job file's import) is the user's code raising: exit 2 and
+    one line naming it, not exit 3 with nothing said (robustness item 3)."""
+    (jobs_dir / "exiting_mod.py").write_text(JOBS + "\n\ndef exits():\n    raise SystemExit(3)\n")
+    (jobs_dir / "exit_at_import.py").write_text("import sys\nsys.exit(4)\n")
+    try:
+        for job, line in (("exiting_mod:exits", "exiting_mod.py:"), ("exit_at_import.py:make_job",
+                                                                      "exit_at_import.py:2")):
+            assert _main("trace", job) == 2
+            err = capsys.readouterr().err.splitlines()
+            assert len(err) == 1 and err[0].startswith(f"amp-patch trace: error: --job {job!r} raised SystemExit"), err
+            assert line in err[0], err
+    finally:
+        for name in ("exiting_mod", "exit_at_import"):
+            sys.modules.pop(name, None)

@@ -1,5 +1,6 @@
 """A newcomer's `amp-patch experiment` (issue 22): Ctrl-C, progress, the verdict, the PNG's panels and the
 vocabulary (--opt-level, dtype shorthands), through cli.main or a subprocess."""
+import argparse
 import io
 import json
 import os
@@ -254,6 +255,48 @@ def test_ctrl_c_in_process_undoes_the_session_and_keeps_what_finished(tmp_path):
     assert o1["status"] == "interrupted" and o1["steps_run"] == 0
     data = json.loads((tmp_path / "experiment.json").read_text())
     assert data["partial"] is True and data["jobs"]["job"]["variants"]["fp32"]["steps_run"] == 5
+
+
+def test_ctrl_c_after_a_variant_ran_all_its_rounds_leaves_it_ok(tmp_path, monkeypatch):
+    """Isolated: Ctrl-C while the variants close, after every round ran. fp32 had closed (its result in hand),
+    O1 had not: both finished all their rounds, so neither is marked interrupted (robustness item 5)."""
+    from test_experiment import tiny_data, tiny_loss, tiny_model, tiny_optimizer
+    from amp_patch.errors import ExperimentInterrupted
+    from amp_patch.experiment import isolation
+    close = isolation.IsolatedRun.close
+
+    def close_or_ctrl_c(self):
+        if self.variant == "O1":
+            raise KeyboardInterrupt
+        return close(self)
+
+    monkeypatch.setattr(isolation.IsolatedRun, "close", close_or_ctrl_c)
+    with pytest.raises(ExperimentInterrupted) as stopped:
+        amp_patch.experiment.compare(tiny_model, tiny_optimizer, tiny_data, tiny_loss, variants="fp32,O1", steps=4,
+                                     rounds=2, batch_size=8, isolate=True, progress=False, out_dir=tmp_path)
+    (report,) = stopped.value.reports
+    for name, v in report["variants"].items():
+        assert v["status"] == "ok" and len(v["rounds"]) == 2 and v["steps_run"] == 4, (name, v["error"])
+
+
+def _report(rounds, *variants):
+    """A report of ``rounds`` planned rounds; ``variants``: (name, status, finished rounds)."""
+    return {"rounds": rounds, "variants": {name: {"status": status, "rounds": [{}] * done}
+                                           for name, status, done in variants}}
+
+
+@pytest.mark.parametrize("reports, expected", [
+    ([_report(5, ("fp32", "ok", 5), ("O1", "interrupted", 4), ("O2", "interrupted", 4))],
+     "; 1 of 3 variant run(s) finished all their rounds, the others stopped after 4/5, 4/5 round(s); written to "
+     "out/experiment.json (marked partial)"),
+    ([_report(5, ("fp32", "ok", 5), ("O1", "ok", 5))],
+     "; all 2 variant run(s) had finished their rounds; written to out/experiment.json (marked partial)"),
+    ([_report(5, ("fp32", "interrupted", 0))], "; no round had finished"),
+    ([], "; no round had finished"),
+])
+def test_the_ctrl_c_line_counts_rounds_as_rounds_not_variant_rounds(reports, expected):
+    from amp_patch.experiment import command
+    assert command._kept(argparse.Namespace(out="out"), reports) == expected
 
 
 def test_ctrl_c_in_any_command_is_one_line_and_exit_130(capsys, monkeypatch):

@@ -21,7 +21,7 @@ def check_aliases(entries, path=None):
         if first is not entry:
             here, other = _blame(first, entry, path)
             raise OpListError(here.path, here.line, f"{here.qualname} ({here.category}) and {other.qualname} "
-                              f"({other.category}, {other.path}:{other.line}) are one attribute: {here.target} "
+                              f"({other.category}, {_where(other)}) are one attribute: {here.target} "
                               f"and {other.target} are one module. Keep one of the two entries", here.name)
         obj = find_site(owner, entry.name)[1]
         if obj is _MISSING or not callable(obj):
@@ -30,10 +30,15 @@ def check_aliases(entries, path=None):
         if first is not entry and first.category != entry.category:
             here, other = _blame(first, entry, path)
             raise OpListError(here.path, here.line, f"{here.qualname} ({here.category}) and {other.qualname} "
-                              f"({other.category}, {other.path}:{other.line}) are one function ({here.qualname} "
+                              f"({other.category}, {_where(other)}) are one function ({here.qualname} "
                               f"is {other.qualname}): a module attribute bound to it would run with the other "
                               "entry's category. Give both entries one category, or list only one of them",
                               here.name)
+
+
+def _where(entry):
+    """``path:line`` of an entry, ``path:?`` for one without a line (an inline mapping), as OpListError writes it."""
+    return f"{entry.path}:{entry.line if entry.line is not None else '?'}"
 
 
 def _blame(first, later, path):

@@ -73,9 +73,13 @@ class Patcher:
         if original is _MISSING:
             raise PatchError(f"{_qualname(target)}.{name} does not exist; nothing to patch")
         replacement = make_replacement(original)
-        setattr(target, name, replacement)
         self._patches.append(Patch(target, name, raw, raw is not _MISSING, original, replacement))
-        self._sites.add(site)
+        self._sites.add(site)  # recorded first: an interrupt right after setattr leaves nothing unrecorded
+        try:
+            setattr(target, name, replacement)
+        except BaseException:
+            self.restore_all()
+            raise
         return replacement
 
     def restore_all(self):
@@ -108,6 +112,8 @@ class Patcher:
     @staticmethod
     def _restore(patch):
         current = vars(patch.target).get(patch.name, _MISSING)
+        if current is (patch.raw if patch.own else _MISSING):
+            return True  # already as it was (an interrupted earlier restore, or install interrupted before setattr)
         if current is not patch.replacement:
             return False
         if patch.own:

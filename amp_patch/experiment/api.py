@@ -13,7 +13,7 @@ from .isolation import IsolatedRun
 from .models import Job, as_job, load_job
 from .plot import write_png
 from .report import Progress, markdown, summarize, write_json
-from .runner import Config, VariantRun, job_from_ref
+from .runner import Config, VariantRun, job_from_ref, mark_interrupted
 from .variants import VARIANTS, parse_variants
 from .verdict import LOSS_TOLERANCE
 
@@ -165,21 +165,19 @@ def _run_job(ref, variants, config, isolate, bar, loss_tolerance=LOSS_TOLERANCE)
         for group in order:
             results.update(_run_group(group, name, config, bar))
     except KeyboardInterrupt:  # Ctrl-C: end every variant, keep their finished rounds
-        results.update({v: results.get(v) or _interrupted(run) for v, run in runs.items()})
+        results.update({v: results.get(v) or _interrupted(run, config) for v, run in runs.items()})
         report = summarize(name, config, {v: results[v] for v in variants}, isolate, loss_tolerance)
         report["partial"] = True
         raise ExperimentInterrupted([report]) from None
     return summarize(name, config, {v: results[v] for v in variants}, isolate, loss_tolerance)
 
 
-def _interrupted(run):
-    """The run's result so far, marked interrupted (an in-process run is closed: its session undone)."""
+def _interrupted(run, config):
+    """The run's result so far, marked interrupted if it had rounds left (an in-process run is closed: its
+    session undone)."""
     if isinstance(run, IsolatedRun):
         return run.interrupt()
-    result = run.close() if run.active or run.runner is not None else run.result
-    if result["status"] == "ok":
-        result.update(status="interrupted", error=f"interrupted (Ctrl-C) after {len(result['rounds'])} round(s)")
-    return result
+    return mark_interrupted(run.close() if run.active or run.runner is not None else run.result, config)
 
 
 def _run_group(group, name, config, bar):

@@ -127,12 +127,24 @@ def _wrote(out):
 def _interrupted(args, reports):
     """Ctrl-C: the finished rounds as a table, and one line saying where they were written; exit 130."""
     _print_reports(reports)
-    rounds = sum(len(v["rounds"]) for r in reports for v in r["variants"].values())
-    kept = (f"; {rounds} finished round(s) written to {os.path.join(args.out, JSON_NAME)} (marked partial)"
-            if rounds else "; no round had finished")
-    sys.stderr.write(f"\namp-patch experiment: interrupted (Ctrl-C){kept}\n")
+    sys.stderr.write(f"\namp-patch experiment: interrupted (Ctrl-C){_kept(args, reports)}\n")
     sys.stderr.flush()
     return 130
+
+
+def _kept(args, reports):
+    """What the interrupted experiment kept, in rounds (not variant-rounds) and finished variants."""
+    runs = [(len(v["rounds"]), r["rounds"], v["status"] != "interrupted") for r in reports
+            for v in r["variants"].values()]
+    if not any(done for done, _, _ in runs):
+        return "; no round had finished"
+    finished = sum(whole for _, _, whole in runs)
+    stopped = [f"{done}/{planned}" for done, planned, whole in runs if not whole]
+    where = f"written to {os.path.join(args.out, JSON_NAME)} (marked partial)"
+    if not stopped:
+        return f"; all {finished} variant run(s) had finished their rounds; {where}"
+    return (f"; {finished} of {len(runs)} variant run(s) finished all their rounds, the others stopped after "
+            f"{', '.join(stopped)} round(s); {where}")
 
 
 def _has_matplotlib():

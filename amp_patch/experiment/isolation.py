@@ -10,7 +10,7 @@ import multiprocessing
 import signal
 import time
 
-from .runner import VariantRun, _fail, job_from_ref, new_result
+from .runner import VariantRun, _fail, job_from_ref, mark_interrupted, new_result
 
 
 def _child_main(conn, job_ref, variant, config):
@@ -107,7 +107,8 @@ class IsolatedRun:
             self.used_s += time.monotonic() - start
 
     def interrupt(self):
-        """End the variant's process now; the result as of its last finished round, marked ``interrupted``."""
+        """End the variant's process now; the result as of its last finished round, marked ``interrupted`` if
+        it had rounds left."""
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
@@ -115,9 +116,8 @@ class IsolatedRun:
         if self.result is not None:
             return self.result
         result = self.partial or new_result(self.variant, True)
-        result.update(status="interrupted", pid=self.proc.pid,
-                      error=f"interrupted (Ctrl-C) after {len(result['rounds'])} finished round(s)")
-        return result
+        result["pid"] = self.proc.pid
+        return mark_interrupted(result, self.config)  # a variant that had run all its rounds stays ok
 
     def _timed_out(self, limit):
         self.proc.kill()

@@ -92,7 +92,7 @@ def _import_job_module(spec, module_name):
             raise job_error(spec, "importing it", exc) from None  # the job's module imports something missing
         raise ConfigError(f"--job {spec!r}: cannot import {module_name!r} ({exc}); run from the directory that "
                           "holds it, put it on PYTHONPATH, or pass path/to/file.py:function") from None
-    except Exception as exc:  # noqa: BLE001 - the user's module failed at import time
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module failed (or sys.exit()ed) at import
         raise job_error(spec, "importing it", exc) from None
 
 
@@ -113,7 +113,7 @@ def _import_file(spec, path):
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - the user's file failed at import time
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's file failed (or sys.exit()ed) at import
         del sys.modules[name]
         raise job_error(spec, "importing it", exc) from None
     return module
@@ -132,7 +132,8 @@ def call_job(spec, func, *args):
     """``func(*args)``, a raise turned into a :class:`JobError` about job ``spec``."""
     try:
         return func(*args)
-    except Exception as exc:  # noqa: BLE001 - the user's code raised: one line, the traceback kept for --verbose
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code raised (sys.exit() included): one
+        # line, the traceback kept for --verbose
         raise job_error(spec, f"calling {getattr(func, '__name__', 'it')}()", exc) from None
 
 

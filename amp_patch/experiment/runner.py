@@ -64,6 +64,14 @@ def new_result(variant, isolated):
             "peak_memory_median_mib": None, "peak_memory_min_mib": None, "peak_memory_max_mib": None}
 
 
+def mark_interrupted(result, config):
+    """Ctrl-C: ``result`` marked ``interrupted`` unless it finished all its rounds (or had failed already)."""
+    finished = len(result["rounds"])
+    if result["status"] == "ok" and finished < len(config.round_sizes()):
+        result.update(status="interrupted", error=f"interrupted (Ctrl-C) after {finished} finished round(s)")
+    return result
+
+
 def _fail(result, exc):
     result["status"] = "failed"
     result["error"] = f"{type(exc).__name__}: {exc}"

@@ -36,7 +36,7 @@ from .unscale import unscale_
 class OptimizerState:
     """What amp_patch tracks for one optimizer passed to ``initialize``."""
 
-    def __init__(self, optimizer, *, master_weights, fp32_data=None, storage=None):
+    def __init__(self, optimizer, *, master_weights, fp32_data=None, storage=None, attach=True):
         self.optimizer = optimizer
         self.master_weights = master_weights
         self.storage = storage or Fp32Masters()  # where masters live between steps (scaling/remainder.py)
@@ -59,10 +59,16 @@ class OptimizerState:
         self._known_groups = 0
         self._param_count = 0
         self._handles = []
+        if attach:
+            self.attach(fp32_data)
+
+    def attach(self, fp32_data=None):
+        """Put the masters into the optimizer and hook its step (``attach=False`` at construction lets the caller
+        register :meth:`restore` first, so that an interrupt anywhere in here is undone)."""
         try:  # a fault while making masters leaves no master in the optimizer
             self._sync_groups(fp32_data or {})
-            self._handles = [optimizer.register_step_pre_hook(self._pre_step),
-                             optimizer.register_step_post_hook(self._post_step)]
+            self._handles.append(self.optimizer.register_step_pre_hook(self._pre_step))
+            self._handles.append(self.optimizer.register_step_post_hook(self._post_step))
         except BaseException:
             self.restore()
             raise
@@ -344,8 +350,9 @@ class OptimizerState:
     # -- teardown -------------------------------------------------------------------------------
     def restore(self):
         """Remove the hooks and put the model params back into param_groups (with the masters' state)."""
-        while self._handles:
-            self._handles.pop().remove()
+        while self._handles:  # removed, then forgotten (an interrupt between the two loses no hook)
+            self._handles[-1].remove()
+            self._handles.pop()
         self._carry_edits(strict=False)  # (a clip after the last step is kept: deinitialize gives the masters)
         state = self.optimizer.state
         for param, master in self.pairs:

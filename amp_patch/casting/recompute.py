@@ -47,11 +47,11 @@ def _pinned(engine, function):
 
     def run(*args, **kwargs):
         if engine.installed:
-            with _depth(engine.disabled, depth):
+            with _depth(engine.disabled, depth), _cache_region(engine):
                 return function(*args, **kwargs)
         live = _state.active_engine()
         if live is not None:
-            with _depth(live.disabled, depth):
+            with _depth(live.disabled, depth), _cache_region(live):
                 return function(*args, **kwargs)
         if depth:  # the forward ran with casting off: so does its recomputation
             return function(*args, **kwargs)
@@ -61,6 +61,22 @@ def _pinned(engine, function):
             return function(*args, **kwargs)
 
     return run
+
+
+@contextlib.contextmanager
+def _cache_region(engine):
+    """The recomputation is a region of its own for the cast cache, as torch recomputes under a fresh
+    ``torch.autocast``: a weight used twice in the segment is cast once there (outside any forward, in the
+    backward, nothing would be cached), and the casts are dropped when it returns. Inside a forward or region
+    (the checkpointed forward itself) the cache is already in use: nothing to do."""
+    if not engine.cache.outside(threading.get_ident()):
+        yield
+        return
+    engine.enter_region()
+    try:
+        yield
+    finally:
+        engine.exit_region()
 
 
 @contextlib.contextmanager

@@ -331,10 +331,13 @@ class OptimizerState:
             master.grad = None
 
     def _carry_edits(self, strict=True):
-        """In-place edits of the half model since the last copy reach the fp32 masters (remainder masters need
-        nothing: the bf16 weight is their high half, so an edit is in the master already)."""
+        """In-place edits of the half model since the last copy reach the masters (fp32 masters elementwise;
+        remainder masters per param: see ``RemainderMasters.carry_edit``)."""
         if self.storage.persistent:
             carry_edits(self.pairs, strict, self.storage.to_model)
+            return
+        for model_p, master in self.pairs:
+            self.storage.carry_edit(model_p, master)
 
     def _check_groups_unchanged(self):
         """Remainder masters: refuse param groups whose params changed since initialize (cheap: counts)."""

@@ -18,11 +18,14 @@ The strategies differ only in where the fp32 value lives between steps; the grad
 fp32 master grads at each ``scale_loss`` exit, accumulated there across micro-batches) is the same, which is
 why ``"remainder"`` is bitwise identical to ``master_weights=True, master_rounding="split"``.
 """
+import logging
 import sys
 
 import torch
 
 from ..errors import UsageError
+
+log = logging.getLogger("amp_patch")
 
 _LITTLE = sys.byteorder == "little"
 
@@ -129,7 +132,8 @@ class RemainderMasters:
     def __init__(self):
         self.remainders = {}  # id(master) -> int16 tensor
         self.live = set()  # id(master) of masters joined now (inside step())
-        self.marks = {}  # id(master) -> (model param's _version, checksum or None) when amp_patch last wrote it
+        self.marks = {}  # id(master) -> (model param's _version, checksum) when amp_patch last wrote it
+        self.warned_edit = False  # (an in-place edit of a weight is reported once per optimizer)
 
     def adopt(self, model_p, master):
         if model_p.dtype is not torch.bfloat16:
@@ -145,19 +149,44 @@ class RemainderMasters:
         _free(master)
 
     def before_step(self, pairs):
-        """Join every master (also for a skipped step: an optimizer may read params it does not update)."""
+        """Join every master (also for a skipped step: an optimizer may read params it does not update). A step
+        nested in a step (a subclass's ``step()`` calling ``super().step()`` runs torch's step hooks twice) finds
+        its masters joined already."""
         for model_p, master in pairs:
-            master.data = join(model_p, self.remainders[id(master)])
-            self.live.add(id(master))
+            if id(master) not in self.live:  # (OptimizerState carried in-place edits just before)
+                master.data = join(model_p, self.remainders[id(master)])
+                self.live.add(id(master))
 
     def after_step(self, pairs, skipped):
-        if not skipped:
-            nan_safe = not all_finite([master for _, master in pairs])
+        live = [(model_p, master) for model_p, master in pairs if id(master) in self.live]
+        if not skipped and live:  # (the outer end of a nested step finds them split and freed already)
+            nan_safe = not all_finite([master for _, master in live])
             with torch.no_grad():
-                for model_p, master in pairs:
+                for model_p, master in live:
                     split_(master.data, model_p.data, self.remainders[id(master)], nan_safe)
                     self._mark(model_p, master)
         self.release(pairs)
+
+    def carry_edit(self, model_p, master):
+        """A weight written in place since amp_patch last split it (``p.data.clamp_``, ``zero_()``, a submodule's
+        ``load_state_dict``) no longer matches its remainder, and the pre-edit weight is not kept, so which elements
+        changed cannot be told: the master becomes the edited bf16 weight exactly (remainder zeroed). Edited
+        elements get the edited value, as with fp32 masters; unedited elements of that param lose their low 16
+        bits (fp32 masters keep them). Logged once per optimizer; ``master_weights=True`` keeps edits exact."""
+        if id(master) in self.live or not self._edited(model_p, master):
+            return
+        self.remainders[id(master)].zero_()
+        self._mark(model_p, master)
+        if not self.warned_edit:
+            self.warned_edit = True
+            log.warning("master_weights='remainder': a %s model weight of shape %s was changed in place since the "
+                        "last step; its master is now that bf16 weight (its unedited elements lose their low 16 bits). "
+                        "For exact in-place edits (WGAN clipping, weight surgery) use master_weights=True, or edit "
+                        "through amp_patch.master_params(optimizer) inside a step", model_p.dtype, tuple(model_p.shape))
+
+    def _edited(self, model_p, master):
+        version, checksum = self.marks[id(master)]
+        return not torch.equal(_checksum(model_p), checksum)  # (.data writes do not move the version)
 
     def release(self, pairs):
         """Drop the fp32 masters and their grads (between steps only the bf16 weight and the remainder stay)."""
@@ -169,6 +198,7 @@ class RemainderMasters:
     def value(self, model_p, master):
         if id(master) in self.live:
             return master.detach()
+        self.carry_edit(model_p, master)
         return join(model_p, self.remainders[id(master)])
 
     def load(self, model_p, master, value):
@@ -180,8 +210,8 @@ class RemainderMasters:
                 master.data.copy_(fp32)
         self._mark(model_p, master, checksum=True)  # (load_state_dict then copies the same weight in again)
 
-    def _mark(self, model_p, master, checksum=False):
-        self.marks[id(master)] = (model_p._version, _checksum(model_p) if checksum else None)
+    def _mark(self, model_p, master, checksum=True):
+        self.marks[id(master)] = (model_p._version, _checksum(model_p))
 
     def out_of_sync(self, model_p, public):
         """Was ``model_p`` written outside amp_patch (e.g. DDP's broadcast of rank 0's weights) since amp_patch

@@ -14,8 +14,9 @@ import logging
 import torch
 
 from .casting.wrappers import HALF_DTYPES
-from .errors import ConfigError, UsageError
+from .errors import ConfigError, TorchVersionError, UsageError
 from .opt_levels import resolve
+from .torch_compat import TESTED
 
 __all__ = ["fully_shard"]
 
@@ -186,7 +187,21 @@ def param_groups(models):
                 continue
             for group in module._get_fsdp_state()._fsdp_param_groups:
                 dtypes = {fp.sharded_param.dtype for fp in group.fsdp_params if fp.sharded_param.requires_grad}
-                yield name or "<root>", group.mp_policy, (dtypes.pop() if len(dtypes) == 1 else None), group
+                yield name or "<root>", group_policy(group), (dtypes.pop() if len(dtypes) == 1 else None), group
+
+
+def group_policy(group):
+    """The MixedPrecisionPolicy of an FSDPParamGroup: torch 2.11-2.14 keep it on the group (``mp_policy``);
+    2.15 resolves it per param (``FSDPParam.mp_policy``), one policy per ``fully_shard`` call all the same."""
+    policy = getattr(group, "mp_policy", None)
+    if policy is None and group.fsdp_params:
+        policy = getattr(group.fsdp_params[0], "mp_policy", None)
+    if policy is None:
+        raise TorchVersionError(f"torch {torch.__version__}: an FSDP2 param group has no mp_policy (on the group "
+                                "or its params); amp_patch reads it to check the opt level's policy. Tested: torch "
+                                f"{TESTED[0]} to {TESTED[1]}; shard with amp_patch.fully_shard and use opt_level='O1', or a "
+                                "tested torch")
+    return policy
 
 
 def adapt_props(models, props, master_weights=None):
@@ -292,7 +307,7 @@ def _check_kept_modules(models, props):
         for name, module in model.named_modules():
             if not (props.keep_fp32_modules and isinstance(module, props.keep_fp32_modules) and _has_params(module)):
                 continue
-            policies = [g.mp_policy for g in module._get_fsdp_state()._fsdp_param_groups] \
+            policies = [group_policy(g) for g in module._get_fsdp_state()._fsdp_param_groups] \
                 if isinstance(module, FSDPModule) else []
             if not policies or any(p.param_dtype in HALF_DTYPES for p in policies):
                 raise UsageError(f"keep_fp32_modules names {type(module).__name__}, but FSDP2 computes module "

@@ -29,8 +29,12 @@ def install(engine, patcher):
             lambda function, *rest: bound_apply(_pinned(engine, function), *rest)))
     else:
         log.debug("torch.utils.checkpoint.CheckpointFunction.apply not found: reentrant recompute not pinned")
-    if hasattr(_ckpt, "_checkpoint_without_reentrant_generator"):
-        patcher.install(_ckpt, "_checkpoint_without_reentrant_generator", lambda original: (
+    # torch 2.15 calls ``_checkpoint_without_reentrant_generator_impl(fn, args, kwargs, ...)`` itself and keeps the
+    # older name as a shim over it; earlier releases have only the older name (same first argument)
+    name = next((n for n in ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
+                 if hasattr(_ckpt, n)), None)
+    if name is not None:
+        patcher.install(_ckpt, name, lambda original: (
             lambda fn, *rest, **kwargs: original(_pinned(engine, fn), *rest, **kwargs)))
     else:
         log.debug("torch.utils.checkpoint._checkpoint_without_reentrant_generator not found: not pinned")

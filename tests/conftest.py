@@ -1,4 +1,6 @@
 """Shared fixtures. The autouse ``no_patch_leaks`` fixture fails any test that leaves a patch behind."""
+import signal
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,16 @@ PATCHED_NAMESPACES = _patched_namespaces()
 
 def _snapshot():
     return {id(ns): (ns, dict(vars(ns))) for ns in PATCHED_NAMESPACES}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def sigint_raises_keyboard_interrupt():
+    """The Ctrl-C tests need SIGINT to raise KeyboardInterrupt here and in the processes they start. A shell
+    without job control starts a background command (`pytest &`, a CI step in the background) with SIGINT
+    ignored, and Python then keeps it ignored (and so do the children): give SIGINT Python's handler back."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -180,12 +180,7 @@ def track_no_sync(session):
     or ``model=`` accumulate correctly. Counting every DDP module is safe: a deferred unscale is finished by
     the next non-delayed exit or by ``step()``.
     """
-    if not torch.distributed.is_available():
-        return lambda: None
-    patcher = Patcher()
-    patcher.install(torch.nn.parallel.DistributedDataParallel, "no_sync",
-                    lambda original: _counting_no_sync(original, session))
-    return patcher.restore_all
+    return _patch_ddp("no_sync", lambda original: _counting_no_sync(original, session))
 
 
 def follow_ddp_broadcast(session):
@@ -198,11 +193,16 @@ def follow_ddp_broadcast(session):
     params are broadcast from the same source rank (collective, as DDP's construction is), and the half params
     re-cast from them. Nothing happens for ``init_sync=False`` (DDP broadcasts nothing then). Returns the undo.
     """
+    return _patch_ddp("__init__", lambda original: _syncing_init(original, session))
+
+
+def _patch_ddp(name, make_replacement):
+    """Patch ``DistributedDataParallel.<name>`` for the session; returns the undo (a no-op without
+    torch.distributed)."""
     if not torch.distributed.is_available():
         return lambda: None
     patcher = Patcher()
-    patcher.install(torch.nn.parallel.DistributedDataParallel, "__init__",
-                    lambda original: _syncing_init(original, session))
+    patcher.install(torch.nn.parallel.DistributedDataParallel, name, make_replacement)
     return patcher.restore_all
 
 

@@ -40,9 +40,12 @@ def sigint_raises_keyboard_interrupt():
     """The Ctrl-C tests need SIGINT to raise KeyboardInterrupt here and in the processes they start. A shell
     without job control starts a background command (`pytest &`, a CI step in the background) with SIGINT
     ignored, and Python then keeps it ignored (and so do the children): give SIGINT Python's handler back."""
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
+    if ignored:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @pytest.fixture(autouse=True)

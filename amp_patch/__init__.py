@@ -6,26 +6,52 @@ torch attribute is patched and no device is probed until ``initialize`` (or an
 """
 import torch
 
-from .errors import (AmpPatchError, BannedOpError, CastError, ConfigError, NotInitializedError, OpListError,
-                     PatchError, TorchVersionError, UsageError)
-from .casting.oplist import OpEntry, OpTable, load_op_lists, shipped_names
-from .casting.regions import autocast
-from .tracing import trace
-from .casting.registry import (disable_casts, float_function, half_function, promote_function, register_float_function,
-                               register_half_function, register_promote_function)
-from .frontend import (clear_cache, deinitialize, history, initialize, last_overflow, last_step_skipped,
-                       load_state_dict, loss_scale, master_params, state_dict)
+from .config.oplist import OpEntry, OpTable, load_op_lists, shipped_names
+from .errors import (
+    AmpPatchError,
+    BannedOpError,
+    CastError,
+    ConfigError,
+    NotInitializedError,
+    OpListError,
+    PatchError,
+    TorchVersionError,
+    UsageError,
+)
+from .observe.trace import trace
+from .parallel.fsdp2 import fully_shard
 from .scaling import scale_loss
-from .framework_hooks import attach_optimizers, next_step_skipped
-from .fsdp2 import fully_shard
+from .session.api import (
+    clear_cache,
+    deinitialize,
+    history,
+    initialize,
+    last_overflow,
+    last_step_skipped,
+    load_state_dict,
+    loss_scale,
+    master_params,
+    state_dict,
+)
+from .session.framework_hooks import attach_optimizers, next_step_skipped
+from .session.regions import autocast
+from .session.user_functions import (
+    disable_casts,
+    float_function,
+    half_function,
+    promote_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
 
 
 def doctor(job, *, opt_level="O1", half_dtype=torch.float16, steps=40, op_lists=None, out=None):
     """Find the op behind persistent overflow / NaN under O1 and the op-list change that fixes it.
 
-    See :func:`amp_patch.precision_doctor.doctor` (imported on first call: importing amp_patch stays cheap).
+    See :func:`amp_patch.tools.doctor.doctor` (imported on first call: importing amp_patch stays cheap).
     """
-    from .precision_doctor import doctor as run
+    from .tools.doctor import doctor as run
     return run(job, opt_level=opt_level, half_dtype=half_dtype, steps=steps, op_lists=op_lists, out=out)
 
 

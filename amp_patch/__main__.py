@@ -1,7 +1,7 @@
-"""``python -m amp_patch ...`` runs the ``amp-patch`` command line (see :mod:`amp_patch.cli`)."""
+"""``python -m amp_patch ...`` runs the ``amp-patch`` command line (see :mod:`amp_patch.tools.cli`)."""
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

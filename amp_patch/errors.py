@@ -63,12 +63,12 @@ class PatchError(AmpPatchError, RuntimeError):
 
 
 class MissingDependencyError(AmpPatchError, ImportError):
-    """An optional integration (e.g. ``amp_patch.lightning``) needs a package that is not installed."""
+    """An optional integration (e.g. ``amp_patch.integrations.lightning``) needs a package that is not installed."""
 
 
 class TorchVersionError(AmpPatchError, RuntimeError):
     """This torch lacks an internal amp_patch reads (dynamo's trace rules, ...): the message names the torch version,
-    what is missing and the tested range (amp_patch.torch_compat)."""
+    what is missing and the tested range (amp_patch._torch.compat)."""
 
 
 class ExperimentInterrupted(KeyboardInterrupt):

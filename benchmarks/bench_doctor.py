@@ -13,8 +13,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import _doctor_jobs as jobs  # noqa: E402
+
 import amp_patch  # noqa: E402
-from amp_patch.precision_doctor.training import train  # noqa: E402
+from amp_patch.tools.doctor.training import train  # noqa: E402
 
 JOBS = {"attention": jobs.attention_job, "layered": jobs.layered_job, "reduction": jobs.reduction_job,
         "cast": jobs.cast_job, "nan_data": jobs.nan_data_job, "log_zero": jobs.log_zero_job,

@@ -58,7 +58,7 @@ def tensors_held(model, opt):
         found += [p, p.grad]
     for state in opt.state.values():
         found += [v for v in state.values() if torch.is_tensor(v)]
-    session = amp_patch.frontend._state.current()
+    session = amp_patch.session.api._state.current()
     if session is not None:
         for opt_state in session.opt_states.values():
             found += list(getattr(opt_state.storage, "remainders", {}).values())

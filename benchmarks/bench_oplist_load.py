@@ -12,7 +12,7 @@ import time
 import torch
 
 import amp_patch
-from amp_patch.casting.resolve import is_tensor_op
+from amp_patch.patching.resolve import is_tensor_op
 
 
 def _valid_list(size):

@@ -17,8 +17,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import amp_patch  # noqa: E402
 from bench_step_time import _tiny_transformer_case  # noqa: E402
+
+import amp_patch  # noqa: E402
 
 _HOT = {"torch.nn.functional": ["linear", "scaled_dot_product_attention", "layer_norm"],
         "torch.Tensor": ["__add__"]}
@@ -53,6 +54,7 @@ def _time(variant, dtype, steps):
 
 def _per_call_us(variant, dtype, rounds=15, n=2000):
     import timeit
+
     from torch.nn import functional as F
     model = torch.nn.Linear(8, 8)
     amp_patch.initialize(model, opt_level="O1", half_dtype=dtype, verbosity=0, op_lists=VARIANTS[variant])

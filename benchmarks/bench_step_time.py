@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from amp_patch.experiment.variants import CastCounter, make_variant
+from amp_patch.tools.experiment.variants import CastCounter, make_variant
 
 VARIANTS = ("native", "O1", "O2", "O0")  # O0: the fp32 baseline
 TARGETS = {"mlp": 1.02, "encoder": 1.02, "tiny_transformer": 1.05}

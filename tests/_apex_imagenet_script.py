@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 try:
-    from apex.parallel import DistributedDataParallel as DDP
-    from apex.fp16_utils import *  # noqa: F401,F403  (to_python_float)
     from apex import amp, optimizers
+    from apex.fp16_utils import *  # noqa: F401,F403  (to_python_float)
     from apex.multi_tensor_apply import multi_tensor_applier
+    from apex.parallel import DistributedDataParallel as DDP
 except ImportError:
     raise ImportError("Please install apex from https://www.github.com/nvidia/apex to run this example.")
 import amp_C

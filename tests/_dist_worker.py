@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import amp_patch
-from amp_patch import distributed as amp_dist
+from amp_patch.parallel import ddp as amp_dist
 
 HALF = torch.float16
 #: ddp_levels and its single-process twin start at this scale: under DDP each rank backpropagates the full loss
@@ -318,7 +318,7 @@ def master_warning(rank, world):
 
 
 def no_sync_check(rank, world):
-    """amp_patch.distributed.check_unscale_inside_no_sync on a real DDP module, in and out of no_sync()."""
+    """amp_patch.parallel.ddp.check_unscale_inside_no_sync on a real DDP module, in and out of no_sync()."""
     ddp = DDP(make_model())
     out = {"synced": amp_dist.check_unscale_inside_no_sync(ddp, False)}
     with ddp.no_sync():

@@ -219,7 +219,7 @@ def o3(rank):
 
 def groups():
     """The FSDP2 groups amp_patch.fully_shard makes under O2 for a model with a BatchNorm and a LayerNorm."""
-    from amp_patch.fsdp2 import param_groups
+    from amp_patch.parallel.fsdp2 import param_groups
 
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Sequential(
         torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)), torch.nn.Linear(8, 3))

@@ -2,7 +2,6 @@
 import sys
 
 import torch
-
 from apex import amp
 
 amp_handle = amp.init(enabled="--disabled" not in sys.argv, loss_scale="dynamic")

@@ -9,14 +9,13 @@ import math
 import os
 import sys
 
+import lightning as L
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning as L
-
 import amp_patch
-from amp_patch.lightning import AmpPatchFabricPrecision, AmpPatchPrecision
+from amp_patch.integrations.lightning import AmpPatchFabricPrecision, AmpPatchPrecision
 
 LINEAR = F.linear
 

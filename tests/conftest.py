@@ -3,21 +3,21 @@ import signal
 
 import pytest
 import torch
-import torch.nn.functional as F
-
-import amp_patch
-from amp_patch import _state
-from amp_patch.casting.registry import REGISTRY
-from tests_support import leaks_of
 
 # Importing these patches torch attributes on first use (e.g. dynamo wraps torch.manual_seed); do it
 # once up front so the snapshot below only sees amp_patch's own changes.
 import torch._dynamo  # noqa: F401,E402
+import torch.nn.functional as F
+from tests_support import leaks_of
+
+import amp_patch
+from amp_patch.session import state as _state
+from amp_patch.session.user_functions import REGISTRY
 
 
 def _patched_namespaces():
     """Every target of every shipped op list, plus the namespaces user registrations and tests touch."""
-    from amp_patch.casting.resolve import resolve_target
+    from amp_patch.patching.resolve import resolve_target
 
     found = {id(ns): ns for ns in (torch, F, torch.Tensor, torch._C.TensorBase, torch._VF, torch.optim.Optimizer,
                                                          torch.amp.autocast_mode.autocast)}

@@ -1,8 +1,7 @@
 """Issue 19 item 4: O2 masters agree across DDP ranks built from different seeds (2 gloo ranks, 3 steps); item 6:\nApex's SyncBatchNorm under plain torch DDP on CPU."""
+import _dist_worker as w
 import pytest
 import torch
-
-import _dist_worker as w
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 

@@ -9,10 +9,18 @@ import torch
 
 from amp_patch.errors import ConfigError
 from amp_patch.legacy.apex import fp16_utils
-from amp_patch.legacy.apex.fp16_utils import (BN_convert_float, DynamicLossScaler, FP16_Optimizer, FP16Model,
-                                              convert_network, master_params_to_model_params,
-                                              model_grads_to_master_grads, network_to_half, prep_param_lists,
-                                              to_python_float)
+from amp_patch.legacy.apex.fp16_utils import (
+    BN_convert_float,
+    DynamicLossScaler,
+    FP16_Optimizer,
+    FP16Model,
+    convert_network,
+    master_params_to_model_params,
+    model_grads_to_master_grads,
+    network_to_half,
+    prep_param_lists,
+    to_python_float,
+)
 
 HALF = torch.bfloat16
 

@@ -2,10 +2,10 @@
 import collections
 
 import pytest
-import yaml
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import yaml
 
 import amp_patch
 
@@ -279,7 +279,7 @@ def test_shipped_list_loads_and_stays_inside_torch(name):
         assert e.category in categories, e
         assert e.message is None or e.category == "banned", e
     # the table is keyed by (target, name), so a duplicate can only be seen in the file itself
-    raw = yaml.safe_load((amp_patch.casting.oplist._shipped_dir() / f"{name}.yaml").read_text())  # (a Traversable)
+    raw = yaml.safe_load((amp_patch.config.oplist._shipped_dir() / f"{name}.yaml").read_text())  # (a Traversable)
     listed = collections.Counter((target, item if isinstance(item, str) else item["name"])
                                  for category in categories for target, items in (raw.get(category) or {}).items()
                                  for item in items)

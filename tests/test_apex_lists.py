@@ -77,7 +77,7 @@ def test_a_misspelt_name_fails_at_initialize_with_the_file_line_of_the_edit(tmp_
             amp.initialize(torch.nn.Linear(3, 3), opt_level="O1", verbosity=0)
     message = str(info.value)
     assert message.startswith(f"{path}:3: apex.amp.lists.functional_overrides.FP16_FUNCS holds 'sofmax'")
-    assert isinstance(info.value, ValueError) and amp_patch._state.current() is None
+    assert isinstance(info.value, ValueError) and amp_patch.session.state.current() is None
 
 
 def test_amp_init_reads_the_lists_too_and_a_replaced_list_is_compared_with_apexs():

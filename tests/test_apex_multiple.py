@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import amp_patch
-
 from amp_patch.legacy import amp
 from amp_patch.legacy.amp_state import AMP_STATE as _amp_state
 

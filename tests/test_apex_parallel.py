@@ -4,14 +4,19 @@ import copy
 import logging
 import os
 
+import _dist_worker as w
 import pytest
 import torch
 import torch.distributed as dist
 
-import _dist_worker as w
 from amp_patch.errors import ConfigError
-from amp_patch.legacy.apex.parallel import (DistributedDataParallel, Reducer, SyncBatchNorm, convert_syncbn_model,
-                                            create_syncbn_process_group)
+from amp_patch.legacy.apex.parallel import (
+    DistributedDataParallel,
+    Reducer,
+    SyncBatchNorm,
+    convert_syncbn_model,
+    create_syncbn_process_group,
+)
 from amp_patch.legacy.apex.parallel.distributed import flat_dist_call
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")

@@ -96,7 +96,7 @@ def test_a_model_and_optimizer_passed_again_are_not_doubled():
     trained = [p.detach().clone() for p in amp.master_params(old)]
     new = torch.optim.SGD(model.parameters(), lr=0.1)
     model, new = amp.initialize(model, new, opt_level="O2", loss_scale=8.0, verbosity=0)
-    session = amp_patch._state.current()
+    session = amp_patch.session.state.current()
     assert session.models == [model] and [s.optimizer for s in session.opt_states.values()] == [new]
     assert all(p.dtype is torch.float16 for g in old.param_groups for p in g["params"])  # old one: model params
     assert all(torch.equal(a, b) for a, b in zip(amp.master_params(new), trained))  # continues from the masters
@@ -129,7 +129,7 @@ def test_refused_while_scaled_grads_wait_for_step():
         amp.initialize(D, optD, opt_level="O1", verbosity=0)
     optG.step()
     amp.initialize(D, optD, opt_level="O1", verbosity=0)
-    assert len(amp_patch._state.current().opt_states) == 2
+    assert len(amp_patch.session.state.current().opt_states) == 2
     amp.deinitialize()
 
 
@@ -146,7 +146,7 @@ def test_amp_init_after_o1_initialize_and_the_reverse_both_stay_active():
         scaled.backward()
     assert torch.equal(model.weight.grad, torch.full((1, 3), 2.0))
     handle._deactivate()
-    assert amp_patch._state.current() is None
+    assert amp_patch.session.state.current() is None
 
     handle = amp.init(loss_scale=128.0)
     other = torch.nn.Linear(3, 1)
@@ -163,7 +163,7 @@ def test_amp_init_after_o1_initialize_and_the_reverse_both_stay_active():
         assert torch.equal(net.weight.grad, torch.full((1, 3), 2.0))
         optimizer.step()
     handle._deactivate()
-    assert amp_patch._state.current() is None
+    assert amp_patch.session.state.current() is None
 
 
 def test_amp_init_after_an_o2_initialize_closes_it_as_the_l0_suite_expects(caplog):

@@ -62,8 +62,12 @@ def test_fused_norms_accept_memory_efficient_and_cast_under_autocast_as_apex_cud
 
 def test_apex_norm_functions_are_importable_with_apexs_signatures():
     with legacy.install_apex_alias():
-        from apex.normalization.fused_layer_norm import (FusedLayerNormAffineFunction, FusedRMSNormAffineFunction,
-                                                         fused_layer_norm_affine, mixed_dtype_fused_rms_norm_affine)
+        from apex.normalization.fused_layer_norm import (
+            FusedLayerNormAffineFunction,
+            FusedRMSNormAffineFunction,
+            fused_layer_norm_affine,
+            mixed_dtype_fused_rms_norm_affine,
+        )
     x = torch.randn(2, 4, requires_grad=True)
     w, b = torch.rand(4) + 0.5, torch.randn(4)
     out = FusedLayerNormAffineFunction.apply(x, w, b, (4,), 1e-5, True)

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import amp_patch
-from amp_patch import cli, tracing
-from amp_patch.experiment import VARIANTS, compare
+from amp_patch.observe import trace as tracing
+from amp_patch.tools import cli
+from amp_patch.tools.experiment import VARIANTS, compare
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text(encoding="utf-8")
 

@@ -4,9 +4,9 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from tests_support import CountCasts
 
 import amp_patch
-from tests_support import CountCasts
 
 
 class Reuse(torch.nn.Module):

@@ -11,9 +11,9 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from tests_support import CountCasts
 
 import amp_patch
-from tests_support import CountCasts
 
 BF16 = torch.bfloat16
 
@@ -33,7 +33,7 @@ def session():
 
 def _native(module, x):
     """torch.autocast's result, with amp_patch's wrappers passed through (casting off in this thread)."""
-    with amp_patch._state.active_engine().casts_disabled(), torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+    with amp_patch.session.state.active_engine().casts_disabled(), torch.no_grad(), torch.autocast("cpu", dtype=BF16):
         return module(x)
 
 
@@ -77,7 +77,7 @@ def test_a_submodule_called_directly_sees_each_data_write(session, write):
 
 
 def test_fresh_layers_evaluated_outside_a_region_are_not_kept_alive(session):
-    engine = amp_patch._state.active_engine()
+    engine = amp_patch.session.state.active_engine()
     x = torch.randn(1, 8)
     refs = []
     for _ in range(5):  # e.g. evaluating freshly built candidate layers
@@ -92,7 +92,7 @@ def test_fresh_layers_evaluated_outside_a_region_are_not_kept_alive(session):
 
 
 def test_a_parameter_replaced_each_iteration_in_grad_mode_is_not_kept_alive(session):
-    engine = amp_patch._state.active_engine()
+    engine = amp_patch.session.state.active_engine()
     layer = torch.nn.Linear(8, 8)
     refs = []
     for _ in range(4):
@@ -144,7 +144,7 @@ def test_a_data_write_between_a_forward_and_a_region_is_seen(session):
 
 
 def test_no_casts_are_kept_after_a_forward_returns(session):
-    engine = amp_patch._state.active_engine()
+    engine = amp_patch.session.state.active_engine()
     with torch.no_grad():
         session(torch.randn(2, 4))
     assert len(engine.cache) == 0

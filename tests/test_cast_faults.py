@@ -6,9 +6,9 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from tests_support import CountCasts
 
 import amp_patch
-from tests_support import CountCasts
 
 
 def _net():
@@ -93,7 +93,7 @@ def test_data_write_seen_by_a_functional_autocast_region(o1):
 # -- item 2: a loop that never calls scale_loss keeps the cache flat ---------------------------------------------
 def test_adversarial_loop_without_scale_loss_keeps_the_cache_flat(o1):
     model, _ = o1
-    engine = amp_patch._state.active_engine()
+    engine = amp_patch.session.state.active_engine()
     x = torch.randn(3, 4)
     sizes = []
     for _ in range(6):  # an FGSM-style attack: a fresh leaf input that requires grad each iteration
@@ -106,7 +106,7 @@ def test_adversarial_loop_without_scale_loss_keeps_the_cache_flat(o1):
 
 
 def test_functional_loop_without_modules_keeps_the_cache_flat(o1):
-    engine = amp_patch._state.active_engine()
+    engine = amp_patch.session.state.active_engine()
     w = torch.nn.Parameter(torch.randn(4, 4))
     sizes = []
     for _ in range(5):
@@ -369,7 +369,7 @@ def test_aliases_with_conflicting_entries_are_refused(tmp_path, case):
     path = tmp_path / f"{case}.yaml"
     path.write_text(text)
     with pytest.raises(amp_patch.OpListError, match=pattern) as info:
-        amp_patch.casting.oplist.load_op_lists(str(path))
+        amp_patch.config.oplist.load_op_lists(str(path))
     assert str(info.value).startswith(str(path) + ":")
 
 
@@ -377,7 +377,7 @@ def test_an_alias_conflict_in_a_mapping_writes_the_other_entry_as_mapping_questi
     """An inline mapping has no lines: the other entry is ``<mapping>:?`` as in the message's head, not ``:None``."""
     spec = {"half": {"torch": ["conv2d"]}, "float": {"torch.nn.functional": ["conv2d"]}}
     with pytest.raises(amp_patch.OpListError) as info:
-        amp_patch.casting.oplist.load_op_lists(spec)
+        amp_patch.config.oplist.load_op_lists(spec)
     message = str(info.value)
     assert message.startswith("<mapping>:?: ") and "(half, <mapping>:?) are one function" in message, message
     assert "None" not in message, message
@@ -386,7 +386,7 @@ def test_an_alias_conflict_in_a_mapping_writes_the_other_entry_as_mapping_questi
 def test_aliases_with_one_category_load(tmp_path):
     path = tmp_path / "same.yaml"
     path.write_text("half:\n  torch: [conv2d]\n  torch.nn.functional: [conv2d]\n")
-    assert len(amp_patch.casting.oplist.load_op_lists(str(path))) == 2
+    assert len(amp_patch.config.oplist.load_op_lists(str(path))) == 2
 
 
 class _WaitingSGD(torch.optim.SGD):
@@ -444,7 +444,7 @@ def test_deinitialize_refuses_while_another_thread_is_mid_step(where):
         worker.join(60)
         amp_patch.deinitialize()
     assert not errors, errors
-    assert amp_patch._state.current() is None
+    assert amp_patch.session.state.current() is None
 
 
 def _region_grads(mode):
@@ -463,4 +463,4 @@ def test_checkpoint_backward_after_the_region_exits(mode):
     assert out.dtype is plain_out.dtype is torch.bfloat16
     for a, b in zip(plain, checkpointed):
         assert a.dtype is b.dtype and torch.equal(a, b)
-    assert amp_patch._state.active_engine() is None
+    assert amp_patch.session.state.active_engine() is None

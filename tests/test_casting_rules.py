@@ -173,8 +173,8 @@ def _reference_promote(dtypes):
 def test_promote_and_half_rules_against_a_reference(dtypes, half):
     """The args the original receives, for random dtype mixes: promote = widest floating dtype when floating
     dtypes mix (integers untouched); half = fp32 and the other 16-bit dtype cast, fp64/ints untouched."""
-    from amp_patch.casting.wrappers import promote_wrapper, half_wrapper, CastCache, make_to_half
-    from amp_patch.casting.oplist import OpEntry
+    from amp_patch.casting.wrappers import CastCache, half_wrapper, make_to_half, promote_wrapper
+    from amp_patch.config.oplist import OpEntry
 
     seen = []
     ctx = type("Ctx", (), {"disabled": {}, "to_half": staticmethod(make_to_half(half, CastCache()))})()

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 import torch
-
-from amp_patch import cli
 from tests_support import run_killing_group
+
+from amp_patch.tools import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

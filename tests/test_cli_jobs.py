@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from amp_patch import cli
+from amp_patch.tools import cli
 
 JOBS = '''\
 import torch

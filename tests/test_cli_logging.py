@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from amp_patch import cli
+from amp_patch.tools import cli
 
 SCRIPT = """
 import logging, sys, torch

@@ -1,4 +1,4 @@
-"""``amp-patch validate`` / ``amp-patch lists`` and the subcommand hooks of ``amp_patch.cli``."""
+"""``amp-patch validate`` / ``amp-patch lists`` and the subcommand hooks of ``amp_patch.tools.cli``."""
 import os
 import re
 import subprocess
@@ -9,7 +9,7 @@ import types
 import pytest
 
 import amp_patch
-from amp_patch import cli
+from amp_patch.tools import cli
 
 VALID = """\
 description: two ops
@@ -45,7 +45,7 @@ def test_validate_valid_file(tmp_path, capsys):
     assert err == ""
     lines = out.splitlines()
     assert lines[0] == (f"{path}: OK, 2 entries (half 1, float 1, promote 0, sequence_promote 0, banned 0); "
-                        f"2 skipped on torch {amp_patch.casting.oplist.torch.__version__}")
+                        f"2 skipped on torch {amp_patch.config.oplist.torch.__version__}")
     assert lines[1].startswith(f"  skipped float torch.op_from_the_future ({path}:7): needs torch >= 99.0")
     assert lines[2].startswith(f"  skipped float torch.op_nobody_has ({path}:9): optional and absent")
     assert len(lines) == 3
@@ -151,9 +151,9 @@ def test_unknown_command_and_help(capsys):
 
 def test_registry_and_hooks_are_declared():
     assert {"validate", "lists"} <= set(cli.SUBCOMMANDS)
-    assert cli.HOOKS["experiment"] == "amp_patch.experiment"
+    assert cli.HOOKS["experiment"] == "amp_patch.tools.experiment"
     assert cli.HOOKS["run"] == "amp_patch.legacy"
-    assert cli.HOOKS["trace"] == "amp_patch.trace_cli"
+    assert cli.HOOKS["trace"] == "amp_patch.tools.trace_cli"
 
 
 def test_every_hook_module_registers_its_subcommand():
@@ -222,9 +222,9 @@ def test_import_reads_no_yaml_and_patches_nothing():
         def refuse(*args, **kwargs):
             raise SystemExit("YAML read at import time")
         _yaml.load = oplist._read_shipped = oplist._read_path = refuse
-        import amp_patch.cli
+        import amp_patch.tools.cli
         assert (torch.matmul, torch.nn.functional.linear, torch.Tensor.__add__) == original
-        lazy = [m for m in ("amp_patch.experiment", "amp_patch.legacy", "amp_patch.trace_cli") if m in sys.modules]
+        lazy = [m for m in ("amp_patch.tools.experiment", "amp_patch.legacy", "amp_patch.tools.trace_cli") if m in sys.modules]
         assert not lazy, lazy
         print("clean")
     """)

@@ -1,9 +1,9 @@
 """O1 under torch.compile: same output dtypes as eager and no graph break caused by the wrappers."""
 import pytest
 import torch
+from tests_support import SmallNet, run_python
 
 import amp_patch
-from tests_support import SmallNet, run_python
 
 
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

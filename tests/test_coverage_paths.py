@@ -6,10 +6,10 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from tests_support import SmallNet
 from torch.utils.checkpoint import checkpoint
 
 import amp_patch
-from tests_support import SmallNet
 
 
 class GELUActivation(torch.nn.Module):

@@ -1,10 +1,10 @@
 """RNNs under O1: nn.LSTM/GRU/RNN and the cells reach torch._VF; they must run in the half dtype."""
 import pytest
 import torch
+from tests_support import CountCasts
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import amp_patch
-from tests_support import CountCasts
 
 HALVES = [torch.float16, torch.bfloat16]
 

@@ -2,9 +2,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from tests_support import CountCasts
 
 import amp_patch
-from tests_support import CountCasts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 HALVES = [torch.float16, torch.bfloat16]

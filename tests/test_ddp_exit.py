@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from amp_patch import distributed as amp_dist
+from amp_patch.parallel import ddp as amp_dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "_ddp_exit_script.py")

@@ -11,13 +11,13 @@ import os
 import sys
 import threading
 
+import _dist_worker as w
 import pytest
 import torch
+from tests_support import run_killing_group
 from torch.utils.data import DataLoader, DistributedSampler
 
-import _dist_worker as w
 import amp_patch
-from tests_support import run_killing_group
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 

@@ -37,9 +37,9 @@ import shlex
 from pathlib import Path
 
 import pytest
+from test_doc_snippets import BLOCKS, ROOT
 
 import amp_patch
-from test_doc_snippets import BLOCKS, ROOT
 
 SHELL = ("bash", "sh", "shell", "console")
 SEPARATORS = {"&&", "||", ";", "|"}
@@ -218,7 +218,7 @@ def test_documented_command_runs(text, tmp_path, monkeypatch, capsys):
     """The cheap doc commands, run as written (in process: cli.main is what the console script calls)."""
     assert any(shlex.join(tokens) == text for _, tokens in COMMANDS), f"{text!r} is no longer in the docs"
     monkeypatch.chdir(tmp_path)
-    from amp_patch import cli
+    from amp_patch.tools import cli
     status = cli.main(shlex.split(text)[1:])
     out = capsys.readouterr().out
     amp_patch.deinitialize()

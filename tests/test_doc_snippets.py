@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_api_reference import _split_params
 
 import amp_patch
 import amp_patch.legacy
-from test_api_reference import _split_params
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))

@@ -2,14 +2,14 @@
 import json
 import math
 
+import _doctor_jobs as jobs
 import pytest
 import torch
 
-import _doctor_jobs as jobs
 import amp_patch
-from amp_patch import cli
-from amp_patch.diagnostics import skip_cause
-from amp_patch.precision_doctor.training import train
+from amp_patch.observe.overflow import skip_cause
+from amp_patch.tools import cli
+from amp_patch.tools.doctor.training import train
 
 STEPS = 8
 
@@ -234,9 +234,9 @@ def test_log_of_zero_is_not_fixable_and_the_op_is_named():
 
 
 def test_a_failure_that_replays_clean_at_loss_scale_one_is_blamed_on_the_loss_scale():
-    from amp_patch.precision_doctor import api
-    from amp_patch.precision_doctor.training import Failure, Run
-    from amp_patch.experiment.models import as_job
+    from amp_patch.tools.doctor import api
+    from amp_patch.tools.doctor.training import Failure, Run
+    from amp_patch.tools.experiment.models import as_job
     job = as_job(jobs.mlp_job())
     x, y = jobs.lambda_free_mlp_data()
     run = Run("O1", failure=Failure(5, "grads", "non-finite gradients", job.model_fn().state_dict(),
@@ -257,7 +257,7 @@ def test_an_op_overflowing_in_every_layer_gets_one_layer_glob_and_in_one_layer_t
 def test_consecutive_gradient_backoffs_after_warm_up_count_as_the_scaler_finding_its_scale():
     """65536 skipped (warm-up), 32768 applied, then 32768 and 16384 skipped and 8192 applied: the issue's pattern
     (it was counted as one warm-up skip and two real ones)."""
-    from amp_patch.precision_doctor import training
+    from amp_patch.tools.doctor import training
     run = training.Run("O1")
     history = [(0, True, "warmup"), (1, False, None), (2, True, "grads"), (3, True, "grads"), (4, False, None)]
     for step, skipped, kind in history:

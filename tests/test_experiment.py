@@ -1,4 +1,4 @@
-"""End-to-end tests of amp_patch.experiment on tiny jobs (a few steps each; no timing assertions)."""
+"""End-to-end tests of amp_patch.tools.experiment on tiny jobs (a few steps each; no timing assertions)."""
 import argparse
 import io
 import json
@@ -11,8 +11,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import amp_patch
-from amp_patch.experiment import add_parser, compare, run_experiment
-from amp_patch.experiment.report import Progress
+from amp_patch.tools.experiment import add_parser, compare, run_experiment
+from amp_patch.tools.experiment.report import Progress
 
 # --- tiny jobs (module-level so that spawned variant processes can import them) ------------------------------
 
@@ -76,7 +76,7 @@ def test_all_variants_in_process_report_structure(tmp_path):
     threads = torch.get_num_threads()
     report = _run(tiny_model, ("fp32", "O1", "O2", "O3", "native"), steps=4, isolate=False, out_dir=tmp_path,
                   name="tiny", threads=1)
-    assert amp_patch._state.current() is None and torch.get_num_threads() == threads
+    assert amp_patch.session.state.current() is None and torch.get_num_threads() == threads
     assert report["threads"] == 1
     data = json.loads((tmp_path / "experiment.json").read_text())
     assert list(data["jobs"]) == ["tiny"]
@@ -132,7 +132,7 @@ def test_failing_variant_is_reported_and_others_still_run():
     assert variants["fp32"]["status"] == variants["O1"]["status"] == "ok"
     assert variants["O1"]["casts_per_iteration"] > 0 == variants["fp32"]["casts_per_iteration"]
     assert variants["native"]["ratio_to_fp32"] is None and variants["O1"]["ratio_to_native"] is None
-    from amp_patch.experiment import format_reports
+    from amp_patch.tools.experiment import format_reports
     text = format_reports([report])
     assert "| native | failed |" in text and "this model refuses torch.autocast" in text
 
@@ -180,7 +180,7 @@ def test_cli_rejects_a_bad_job(tmp_path, capsys):
 
 
 def test_builtin_job_by_spec_in_process():
-    [report] = run_experiment(["amp_patch.experiment.models:mlp"], variants="O1", steps=2, isolate=False,
+    [report] = run_experiment(["amp_patch.tools.experiment.models:mlp"], variants="O1", steps=2, isolate=False,
                               progress=False)
     assert report["job"] == "mlp" and report["variants"]["O1"]["status"] == "ok"
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import amp_patch
-from amp_patch import cli
-from amp_patch.experiment import plot
-from amp_patch.experiment.report import Progress, markdown, summarize
-from amp_patch.experiment.runner import Config, new_result
-from amp_patch.experiment.verdict import verdict
+from amp_patch.tools import cli
+from amp_patch.tools.experiment import plot
+from amp_patch.tools.experiment.report import Progress, markdown, summarize
+from amp_patch.tools.experiment.runner import Config, new_result
+from amp_patch.tools.experiment.verdict import verdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -201,7 +201,7 @@ def test_dtype_shorthands_in_python():
                          (16, torch.float16), ("BF16", torch.bfloat16), (torch.bfloat16, torch.bfloat16)):
         model = amp_patch.initialize(torch.nn.Linear(2, 2), opt_level="O1", half_dtype=given, verbosity=0)
         try:
-            assert amp_patch._state.current().props.half_dtype is dtype, given
+            assert amp_patch.session.state.current().props.half_dtype is dtype, given
         finally:
             amp_patch.deinitialize()
         assert model is not None
@@ -223,7 +223,7 @@ def test_every_command_error_starts_with_its_name_and_error(capsys):
 
 
 def test_the_missing_matplotlib_notice_is_printed_whole(capsys, tmp_path, monkeypatch):
-    from amp_patch.experiment import command
+    from amp_patch.tools.experiment import command
     monkeypatch.setattr(command, "_has_matplotlib", lambda: False)
     assert cli.main(["experiment"] + TINY + ["--variants", "fp32", "--out", str(tmp_path)]) == 0
     first = capsys.readouterr().err.splitlines()[0]
@@ -243,12 +243,13 @@ def _interrupting_loss(output, target):
 
 def test_ctrl_c_in_process_undoes_the_session_and_keeps_what_finished(tmp_path):
     from test_experiment import tiny_data, tiny_model, tiny_optimizer
+
     from amp_patch.errors import ExperimentInterrupted
     _CALLS.clear()
     with pytest.raises(ExperimentInterrupted) as stopped:
-        amp_patch.experiment.compare(tiny_model, tiny_optimizer, tiny_data, _interrupting_loss, variants="fp32,O1",
+        amp_patch.tools.experiment.compare(tiny_model, tiny_optimizer, tiny_data, _interrupting_loss, variants="fp32,O1",
                                      steps=5, rounds=3, batch_size=8, isolate=False, progress=False, out_dir=tmp_path)
-    assert amp_patch._state.current() is None  # O1's session was undone (the autouse fixture checks the patches)
+    assert amp_patch.session.state.current() is None  # O1's session was undone (the autouse fixture checks the patches)
     (report,) = stopped.value.reports
     fp32, o1 = report["variants"]["fp32"], report["variants"]["O1"]
     assert report["partial"] is True and fp32["status"] == "ok" and len(fp32["rounds"]) == 3
@@ -261,8 +262,9 @@ def test_ctrl_c_after_a_variant_ran_all_its_rounds_leaves_it_ok(tmp_path, monkey
     """Isolated: Ctrl-C while the variants close, after every round ran. fp32 had closed (its result in hand),
     O1 had not: both finished all their rounds, so neither is marked interrupted (robustness item 5)."""
     from test_experiment import tiny_data, tiny_loss, tiny_model, tiny_optimizer
+
     from amp_patch.errors import ExperimentInterrupted
-    from amp_patch.experiment import isolation
+    from amp_patch.tools.experiment import isolation
     close = isolation.IsolatedRun.close
 
     def close_or_ctrl_c(self):
@@ -272,7 +274,7 @@ def test_ctrl_c_after_a_variant_ran_all_its_rounds_leaves_it_ok(tmp_path, monkey
 
     monkeypatch.setattr(isolation.IsolatedRun, "close", close_or_ctrl_c)
     with pytest.raises(ExperimentInterrupted) as stopped:
-        amp_patch.experiment.compare(tiny_model, tiny_optimizer, tiny_data, tiny_loss, variants="fp32,O1", steps=4,
+        amp_patch.tools.experiment.compare(tiny_model, tiny_optimizer, tiny_data, tiny_loss, variants="fp32,O1", steps=4,
                                      rounds=2, batch_size=8, isolate=True, progress=False, out_dir=tmp_path)
     (report,) = stopped.value.reports
     for name, v in report["variants"].items():
@@ -295,7 +297,7 @@ def _report(rounds, *variants):
     ([], "; no round had finished"),
 ])
 def test_the_ctrl_c_line_counts_rounds_as_rounds_not_variant_rounds(reports, expected):
-    from amp_patch.experiment import command
+    from amp_patch.tools.experiment import command
     assert command._kept(argparse.Namespace(out="out"), reports) == expected
 
 

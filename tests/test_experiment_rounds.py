@@ -7,15 +7,13 @@ import time
 
 import pytest
 import torch
+from test_experiment import tiny_data, tiny_loss, tiny_model, tiny_optimizer
 from torch import nn
 
 import amp_patch
-from amp_patch.experiment import add_parser, compare
-from amp_patch.experiment import api, command
-from amp_patch.experiment import plot
-from amp_patch.experiment.report import dynamic_scale_variants, summarize
-from amp_patch.experiment.runner import Config, VariantRun, new_result
-from test_experiment import tiny_data, tiny_loss, tiny_model, tiny_optimizer
+from amp_patch.tools.experiment import add_parser, api, command, compare, plot
+from amp_patch.tools.experiment.report import dynamic_scale_variants, summarize
+from amp_patch.tools.experiment.runner import Config, VariantRun, new_result
 
 
 def named_job():

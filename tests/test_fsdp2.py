@@ -8,13 +8,13 @@ in fp16, FSDP2 reduce-scatters them in fp32, so they differ by fp16 roundings of
 import os
 import random
 
+import _dist_worker as w
+import _fsdp2_jobs as jobs
 import pytest
 import torch
 
-import _dist_worker as w
-import _fsdp2_jobs as jobs
 import amp_patch
-from amp_patch.fsdp2 import fully_shard
+from amp_patch.parallel.fsdp2 import fully_shard
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 STOP = random.randrange(1, jobs.STEPS)  # where the resumed run checkpoints (reported in failures)

@@ -180,7 +180,7 @@ def test_import_does_nothing(tmp_path):
     code = ("import sys, torch; before = dict(vars(torch.nn.functional)); import amp_patch; "
             "assert dict(vars(torch.nn.functional)) == before; "
             "assert not [m for m in sys.modules if m.startswith('yaml')], 'yaml imported'; "
-            "assert amp_patch._state.current() is None")
+            "assert amp_patch.session.state.current() is None")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
 
 

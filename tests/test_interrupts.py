@@ -14,8 +14,8 @@ import torch
 from torch.nn.modules import module as module_mod
 
 import amp_patch
-from amp_patch import _state
-from amp_patch.casting.patcher import Patcher
+from amp_patch.patching.patcher import Patcher
+from amp_patch.session import state as _state
 
 LEVELS = ("O1", "O2", "O3")
 ZERO_GRAD = torch.optim.Optimizer.zero_grad
@@ -146,7 +146,7 @@ def _no_grad_interrupted(monkeypatch, which):
 @pytest.mark.parametrize("level", ["O2", "O3"])
 def test_ctrl_c_inside_no_grad_while_undoing_an_interrupted_initialize_leaves_grads_on(monkeypatch, which, level):
     """Ctrl-C after the casting step, and again inside a no_grad() of the undo that follows."""
-    from amp_patch import frontend
+    from amp_patch.session import api as frontend
 
     def arm():
         _interrupt_after(monkeypatch, frontend, "_install_casting")

@@ -2,18 +2,18 @@
 import argparse
 import importlib
 import io
-import os
 import math
+import os
 import re
 import sys
 
 import pytest
 import torch
+from tests_support import run_killing_group
 
 import amp_patch
 from amp_patch import legacy
 from amp_patch.legacy import ApexAttributeError, ApexFeatureError, ApexImportError
-from tests_support import run_killing_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples", "legacy")
@@ -184,7 +184,7 @@ def test_script_using_apex_internals_fails_with_the_alternative(capsys):
     with pytest.raises(ApexImportError, match=r"apex\.amp\.scaler.*amp\.state_dict\(\)"):
         legacy.run_script(os.path.join(HERE, "_legacy_unsupported_script.py"))
     assert "loss scale 65536.0" in capsys.readouterr().out  # _amp_state (provided) was read before that
-    assert amp_patch._state.current() is None and not legacy.apex_alias_installed()
+    assert amp_patch.session.state.current() is None and not legacy.apex_alias_installed()
 
 
 # -- the runner and the CLI ---------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def _run(script, *args, capsys):
     status = legacy.run_script(script, [str(a) for a in args])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert amp_patch._state.current() is None and not legacy.apex_alias_installed()
+    assert amp_patch.session.state.current() is None and not legacy.apex_alias_installed()
     return out
 
 
@@ -231,7 +231,7 @@ def test_runner_deinitializes_when_the_script_raises(tmp_path):
                       "torch.ones(1))], lr=1), opt_level='O1')\nraise KeyError('boom')\n")
     with pytest.raises(KeyError, match="boom"):
         legacy.run_script(str(script))
-    assert amp_patch._state.current() is None and not legacy.apex_alias_installed()
+    assert amp_patch.session.state.current() is None and not legacy.apex_alias_installed()
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
@@ -329,7 +329,7 @@ def test_handle_scale_loss_and_misuse():
         wrapped.step(lambda: 0.0)
     assert handle._default_scaler.loss_scale() == 128.0  # Apex's handle scaler is the session's scaler 0
     handle._deactivate()
-    assert not handle.is_active() and amp_patch._state.current() is None
+    assert not handle.is_active() and amp_patch.session.state.current() is None
 
 
 def _fold_step(model, optimizer, x):

@@ -35,8 +35,8 @@ def no_alias_leak(monkeypatch):
     for name in set(_alias_modules()) - set(modules):
         del sys.modules[name]
     sys.modules.update(modules)
-    allow = amp_patch._state.allow_incoming_model_not_fp32()
-    amp_patch._state.set_allow_incoming_model_not_fp32(False)
+    allow = amp_patch.session.state.allow_incoming_model_not_fp32()
+    amp_patch.session.state.set_allow_incoming_model_not_fp32(False)
     assert not leaked, "the apex alias was left installed"
     assert sys.meta_path == meta_path
     assert not allow, "the test left _amp_state.allow_incoming_model_not_fp32 set"
@@ -79,12 +79,12 @@ def mirror(monkeypatch):
 def test_mirrored_modules_are_served_generically_and_removed_on_uninstall(mirror):
     spec_before = mirror.parallel.__spec__
     with legacy.install_apex_alias():
+        import amp_C
         import apex
+        import apex.parallel.distributed
         from apex import amp, parallel
         from apex.parallel import DistributedDataParallel as DDP
         from apex.parallel.distributed import flat_dist_call
-        import apex.parallel.distributed
-        import amp_C
         assert amp.initialize is legacy.apex_amp.initialize and parallel is apex.parallel
         assert DDP is StandInDDP and flat_dist_call() == "flat" and amp_C.multi_tensor_l2norm() == "l2norm"
         assert parallel is not mirror.parallel and parallel.__name__ == "apex.parallel"
@@ -169,8 +169,8 @@ def test_real_apex_and_amp_c_are_never_shadowed(mirror, real_packages):
 def test_real_apex_gets_the_mirrored_modules_it_lacks_until_uninstall(mirror, real_packages):
     apex = importlib.import_module("apex")
     with legacy.install_apex_alias():
-        from apex.parallel import DistributedDataParallel
         from apex.other import WHO
+        from apex.parallel import DistributedDataParallel
         assert DistributedDataParallel is StandInDDP and WHO == "real apex.other"
         assert apex.parallel.__name__ == "apex.parallel"
     assert sys.modules["apex"] is apex and not hasattr(apex, "parallel") and not hasattr(apex, "amp")
@@ -264,7 +264,7 @@ def test_amp_state_opt_properties_and_handle_deactivate():
         _amp_state.loss_scalers = []
     assert F.linear is not linear and _amp_state.handle.is_active()
     _amp_state.handle._deactivate()
-    assert amp_patch._state.current() is None and F.linear is linear  # every patch removed
+    assert amp_patch.session.state.current() is None and F.linear is linear  # every patch removed
     assert not _amp_state.handle.is_active()
     _amp_state.handle._deactivate()  # twice: a no-op
 
@@ -345,7 +345,7 @@ def test_a_model_arriving_in_half_is_refused_with_apex_explanation(half):
     with pytest.raises(amp_patch.UsageError, match=r"parameter '1\.weight'.*\.half\(\).*allow_incoming_model_not_fp32"
                        ) as info:
         amp_patch.initialize(model, opt, opt_level="O2", verbosity=0)
-    assert isinstance(info.value, RuntimeError) and amp_patch._state.current() is None
+    assert isinstance(info.value, RuntimeError) and amp_patch.session.state.current() is None
     assert model[1].weight.dtype is half and model[0].weight.dtype is torch.float32  # untouched
     buffered = torch.nn.BatchNorm1d(2)
     buffered.running_mean = buffered.running_mean.to(half)

@@ -14,10 +14,10 @@ import sys
 
 import pytest
 import torch
+from tests_support import run_killing_group
 
 import amp_patch
 from amp_patch import legacy
-from tests_support import run_killing_group
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 IMAGENET = os.path.join(HERE, "_apex_imagenet_script.py")
@@ -51,7 +51,7 @@ def _imagenet(capsys, *args):
     status = legacy.run_script(IMAGENET, [str(a) for a in args])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert amp_patch._state.current() is None
+    assert amp_patch.session.state.current() is None
     return out
 
 

@@ -1,4 +1,4 @@
-"""amp_patch.lightning: the Trainer and Fabric precision plugins, against Lightning 2.6 itself.
+"""amp_patch.integrations.lightning: the Trainer and Fabric precision plugins, against Lightning 2.6 itself.
 
 Tiny models, a few steps each (a Trainer's start-up costs about a second here). References are the same runs
 without the plugin (fp32), with the tolerances stated at each comparison.
@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 L = pytest.importorskip("lightning")  # imported before the leak fixture's snapshot (it touches torch on import)
+from tests_support import run_killing_group  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import amp_patch  # noqa: E402
-from amp_patch.lightning import AmpPatchFabricPrecision, AmpPatchPrecision  # noqa: E402
-from tests_support import run_killing_group  # noqa: E402
+from amp_patch.integrations.lightning import AmpPatchFabricPrecision, AmpPatchPrecision  # noqa: E402
 
 ORIGINAL_LINEAR = F.linear
 # fp16 runs start at a loss scale of 2**12: at the default 2**16 the first step of these models overflows (a
@@ -342,7 +342,7 @@ def test_fabric_first_backward_overflow_and_one_module_per_plugin():
 def test_import_amp_patch_does_not_import_lightning_and_a_missing_lightning_is_named(tmp_path):
     code = ("import sys; import amp_patch; assert 'lightning' not in sys.modules, 'imported';"
             "sys.modules['lightning'] = None\n"
-            "try:\n    import amp_patch.lightning\n"
+            "try:\n    import amp_patch.integrations.lightning\n"
             "except amp_patch.AmpPatchError as e:\n    assert isinstance(e, ImportError); print(e)\n")
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = run_killing_group([sys.executable, "-c", code], cwd=tmp_path, env=env, timeout=120)

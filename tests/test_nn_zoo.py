@@ -9,10 +9,10 @@ below 95% or on any failure not in EXPECTED_FAILURES (listed in docs/coverage.md
 """
 import math
 
+import _nn_zoo as zoo_specs
 import pytest
 import torch
 
-import _nn_zoo as zoo_specs
 import amp_patch
 
 HALVES = {"fp16": torch.float16, "bf16": torch.bfloat16}

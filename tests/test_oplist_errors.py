@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import amp_patch
-from amp_patch.casting.oplist import CATEGORIES
+from amp_patch.config.oplist import CATEGORIES
 
 MARK = "# <--"
 

@@ -11,7 +11,7 @@ import yaml
 
 import amp_patch
 from amp_patch import OpListError
-from amp_patch.casting.resolve import is_tensor_op
+from amp_patch.patching.resolve import is_tensor_op
 
 
 def _write(tmp_path, text, name="list.yaml"):

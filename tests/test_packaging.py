@@ -3,7 +3,7 @@ import configparser
 import pathlib
 
 import amp_patch
-from amp_patch.casting import oplist
+from amp_patch.config import oplist
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -46,12 +46,13 @@ def _floor(spec):
 
 
 def test_declared_floors_are_what_the_tests_run():
-    """python_requires and the torch range are the tested ones (amp_patch.torch_compat, README); the torch CI's
+    """python_requires and the torch range are the tested ones (amp_patch._torch.compat, README); the torch CI's
     README flow installs (constraints.txt) lies inside that range."""
     import sys
 
     import torch
-    from amp_patch import torch_compat
+
+    from amp_patch._torch import compat as torch_compat
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")
     requires = {line.split(">=")[0].split("=")[0].strip(): line.strip()

@@ -3,10 +3,10 @@ import logging
 import types
 
 import pytest
+from tests_support import leaks_of
 
 from amp_patch.errors import PatchError
-from amp_patch.casting.patcher import Patcher
-from tests_support import leaks_of
+from amp_patch.patching.patcher import Patcher
 
 
 class Base:

@@ -2,11 +2,11 @@
 rounded by the same rule (master_rounding="split"). The training loop lives in tests/_remainder_jobs.py."""
 import os
 
+import _dist_worker as w
+import _remainder_jobs as jobs
 import pytest
 import torch
 
-import _dist_worker as w
-import _remainder_jobs as jobs
 import amp_patch
 from amp_patch.errors import ConfigError, UsageError
 from amp_patch.scaling.remainder import join, round_split, split, split_
@@ -212,7 +212,7 @@ def test_misuse_is_refused_with_the_fix(kwargs, needle):
     model = jobs.make_model()
     with pytest.raises(ConfigError, match=needle):
         amp_patch.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), verbosity=0, **kwargs)
-    assert amp_patch.frontend._state.current() is None
+    assert amp_patch.session.api._state.current() is None
 
 
 def test_param_groups_changed_after_initialize_are_refused():
@@ -314,14 +314,14 @@ def test_zero_dim_transposed_and_empty_params(mode):
 
 
 def test_the_experiment_runs_o2_remainder_only_when_named():
-    from amp_patch.experiment.variants import VARIANTS, make_variant, parse_variants
+    from amp_patch.tools.experiment.variants import VARIANTS, make_variant, parse_variants
 
     assert "O2-remainder" not in VARIANTS and parse_variants("fp32,O2-remainder") == ("fp32", "O2-remainder")
     variant = make_variant("O2-remainder", torch.bfloat16, "cpu")
     model = jobs.make_model()
     variant.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     try:
-        session = amp_patch.frontend._state.current()
+        session = amp_patch.session.api._state.current()
         assert session.props.master_storage == "remainder" and variant.opt_level == "O2"
     finally:
         variant.close()
@@ -330,15 +330,15 @@ def test_the_experiment_runs_o2_remainder_only_when_named():
 def test_weights_written_outside_amp_patch_are_out_of_sync_but_loads_and_steps_are_not():
     model, opt = jobs.setup("remainder", "sgd")
     try:
-        assert amp_patch.distributed.masters_out_of_sync() == []
+        assert amp_patch.parallel.ddp.masters_out_of_sync() == []
         model.load_state_dict(model.state_dict())
-        assert amp_patch.distributed.masters_out_of_sync() == []
+        assert amp_patch.parallel.ddp.masters_out_of_sync() == []
         with torch.no_grad():
             model[0].weight.copy_(model[0].weight)  # the same values again: still in sync
-            assert amp_patch.distributed.masters_out_of_sync() == []
+            assert amp_patch.parallel.ddp.masters_out_of_sync() == []
             model[2].bias.add_(1.0)
-        assert amp_patch.distributed.masters_out_of_sync() == ["param 3"]
+        assert amp_patch.parallel.ddp.masters_out_of_sync() == ["param 3"]
         jobs.train_steps(model, opt, 1, inf_at=None)  # the step writes every weight from its master again
-        assert amp_patch.distributed.masters_out_of_sync() == []
+        assert amp_patch.parallel.ddp.masters_out_of_sync() == []
     finally:
         amp_patch.deinitialize()

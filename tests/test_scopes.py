@@ -6,12 +6,12 @@ import threading
 
 import pytest
 import torch
+from tests_support import run_python
 from torch import nn
 
 import amp_patch
-from amp_patch import cli
 from amp_patch.casting.scopes import compile_glob
-from tests_support import run_python
+from amp_patch.tools import cli
 
 HALF = torch.float16
 
@@ -116,7 +116,7 @@ def test_reentrant_and_an_exception_inside_a_scope_leaves_no_scope_open():
             self.rec = Recursive()
 
     holder = _init(Holder(), {"rec": {"float": {"torch": ["bmm"]}}})
-    engine = amp_patch._state.active_engine()
+    engine = amp_patch.session.state.active_engine()
     try:
         with pytest.raises(RuntimeError, match="boom"):
             holder.rec(X, 3)

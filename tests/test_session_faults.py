@@ -12,12 +12,14 @@ import torch.nn.functional as F
 from torch.nn.modules import module as module_mod
 
 import amp_patch
-from amp_patch import _state, distributed, frontend
 from amp_patch.casting.engine import CastingEngine
-from amp_patch.casting.patcher import Patcher
-from amp_patch.models import ModelPatch
+from amp_patch.model.transform import ModelPatch
+from amp_patch.parallel import ddp as distributed
+from amp_patch.patching.patcher import Patcher
 from amp_patch.scaling.optimizer_state import OptimizerState
-from amp_patch.session import Session
+from amp_patch.session import api as frontend
+from amp_patch.session import state as _state
+from amp_patch.session.session import Session
 
 LEVELS = ("O1", "O2", "O3")
 # every step of initialize that changes something (frontend's names), faulted right after it ran

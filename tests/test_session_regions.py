@@ -8,7 +8,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 import amp_patch
-from amp_patch import _state
+from amp_patch.session import state as _state
 
 LEVELS = ["O0", "O2", "O3"]
 

@@ -5,7 +5,6 @@ import sys
 import time
 
 import pytest
-
 from tests_support import run_killing_group
 
 # A launcher shaped like torchrun: its worker starts in a session of its own, inherits the output pipes and hangs.

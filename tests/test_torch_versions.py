@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import amp_patch
-from amp_patch import cli
-from amp_patch.casting import oplist, resolve
+from amp_patch.config import oplist
 from amp_patch.errors import ConfigError, OpListError
+from amp_patch.patching import resolve
+from amp_patch.tools import cli
 
 
 def _torch_module(name, source):
@@ -143,7 +144,7 @@ def test_importing_this_file_left_no_module_behind():
 
 
 def test_an_internal_torch_lacks_is_an_error_naming_the_torch_version():
-    from amp_patch import torch_compat
+    from amp_patch._torch import compat as torch_compat
 
     rules = torch_compat.internal("torch._dynamo.trace_rules.get_torch_obj_rule_map", "the test")
     assert callable(rules)
@@ -157,7 +158,8 @@ def test_an_internal_torch_lacks_is_an_error_naming_the_torch_version():
 
 def test_a_dynamo_without_the_trace_rules_amp_patch_reads_fails_clearly(monkeypatch):
     from torch._dynamo import trace_rules
-    from amp_patch.casting import dynamo_tables
+
+    from amp_patch._torch import dynamo_tables
 
     monkeypatch.delattr(trace_rules, "get_tensor_method")
     with pytest.raises(amp_patch.TorchVersionError, match="get_tensor_method"):
@@ -165,7 +167,7 @@ def test_a_dynamo_without_the_trace_rules_amp_patch_reads_fails_clearly(monkeypa
 
 
 def test_the_declared_torch_range_is_the_tested_one():
-    from amp_patch import torch_compat
+    from amp_patch._torch import compat as torch_compat
 
     setup_cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.cfg")
     with open(setup_cfg, encoding="utf-8") as f:

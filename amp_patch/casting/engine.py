@@ -10,19 +10,20 @@ import threading
 
 import torch
 
-from . import dynamo_tables, forked, native_regions, recompute, warn_site
-from .resolve import resolve_target
+from .._torch import dynamo_tables
+from ..patching.patcher import Patcher
+from ..patching.resolve import resolve_target
 from .cache import CastCache, make_to_half
-from .wrappers import DisabledThreads, make_wrapper
-from .patcher import Patcher
+from .interop import forked, native_regions, recompute, warn_site
 from .scopes import ScopeRuntime, passthrough, unmatched_globs
+from .wrappers import DisabledThreads, make_wrapper
 
 log = logging.getLogger("amp_patch")
 _compiling = torch.compiler.is_compiling
 
 
 class CastingEngine:
-    """Installs the wrappers for an :class:`~amp_patch.casting.oplist.OpTable` plus user registrations."""
+    """Installs the wrappers for an :class:`~amp_patch.config.oplist.OpTable` plus user registrations."""
 
     def __init__(self, table, *, half_dtype=torch.float16, allow_banned=False, registrations=()):
         self.table = table
@@ -48,7 +49,7 @@ class CastingEngine:
     def install(self, tracer=None):
         """Install one wrapper per entry (registrations override list entries of the same site).
 
-        With a ``tracer`` the wrappers are the recording variants (see ``amp_patch.tracing``); without one
+        With a ``tracer`` the wrappers are the recording variants (see ``amp_patch.observe.trace``); without one
         they contain no tracing code at all, so tracing off costs nothing.
         """
         self.tracer = tracer

@@ -55,7 +55,7 @@ def compile_glob(glob):
 
 def parse_scopes(document, block, line):
     """The scopes of one op-list document (``document`` is oplist's ``_Document``: its errors and entry parser)."""
-    from ._yaml import Map
+    from ..config._yaml import Map
     if not isinstance(block, Map):
         raise document.error(line, "scopes must map module-path globs to category overrides, e.g. "
                              "'scopes: {\"encoder.*.attn\": {float: {torch: [bmm]}}}'")

@@ -13,9 +13,9 @@ import threading
 import torch
 
 from ..errors import BannedOpError, CastError, ConfigError
-from .cache import FP32, HALF_DTYPES, Tensor  # noqa: F401 - defined once, in the module wrappers import
-from .cache import CastCache, make_to_half  # noqa: F401 - the cast cache and its caster (re-exported)
+from .cache import FP32, HALF_DTYPES, CastCache, Tensor, make_to_half  # noqa: F401 - defined once, in the module wrappers import  # noqa: F401 - the cast cache and its caster (re-exported)
 from .switch import DisabledThreads  # noqa: F401 - the engine's per-thread switch (re-exported)
+
 # what Lightning (precision="16-mixed"), Accelerate (mixed_precision="fp16") and torch users type for a half dtype
 HALF_DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "16": torch.float16,
                     "16-mixed": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -1,6 +1,6 @@
 """``apex.amp._amp_state``: a live view of amp_patch's session in the shape Apex's unit tests and scripts read.
 
-Nothing is stored here: every read goes to the active session (``amp_patch._state``),
+Nothing is stored here: every read goes to the active session (``amp_patch.session.state``),
 every write goes to the live object it names.
 
 - ``loss_scalers[i].loss_scale()``, ``._loss_scale`` (read and write), ``._unskipped``
@@ -14,10 +14,10 @@ every write goes to the live object it names.
 """
 import torch
 
-from .. import _state
 from ..errors import NotInitializedError, UsageError
-from ..frontend import deinitialize
-from ..frontend import master_params as _master_params
+from ..session import state as _state
+from ..session.api import deinitialize
+from ..session.api import master_params as _master_params
 from .unsupported import attribute_error
 
 _PROPERTY_NAMES = ("opt_level", "cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",

@@ -12,13 +12,20 @@ in :mod:`amp_patch.legacy.handle`; ``_amp_state`` is a live view of the session
 import functools
 import logging
 
-from ..frontend import deinitialize, load_state_dict, state_dict
-from ..frontend import initialize as _initialize
+from ..scaling import scale_loss
+from ..session.api import deinitialize, load_state_dict, state_dict
+from ..session.api import initialize as _initialize
+from ..session.user_functions import (
+    disable_casts,
+    float_function,
+    half_function,
+    promote_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
 from . import amp_lists as lists
 from . import stacking
-from ..scaling import scale_loss
-from ..casting.registry import (disable_casts, float_function, half_function, promote_function, register_float_function,
-                                register_half_function, register_promote_function)
 from .amp_state import AMP_STATE as _amp_state
 from .amp_state import master_params
 from .handle import init

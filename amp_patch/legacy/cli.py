@@ -5,8 +5,8 @@ import os
 import runpy
 import sys
 
-from .. import frontend
 from ..errors import AmpPatchError
+from ..session import api as frontend
 from .alias import install_apex_alias
 
 _EPILOG = """\

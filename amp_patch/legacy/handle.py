@@ -11,11 +11,12 @@ after an overflow in any of them is skipped. ``handle.scale_loss(loss, optimizer
 import contextlib
 import logging
 
-from .. import _state, distributed
 from ..errors import UsageError
-from ..frontend import deinitialize, initialize
+from ..parallel import ddp as distributed
 from ..scaling.optimizer_state import OptimizerState
 from ..scaling.scaler import LossScaler
+from ..session import state as _state
+from ..session.api import deinitialize, initialize
 from . import stacking
 from .amp_state import ScalerView
 from .unsupported import attribute_error

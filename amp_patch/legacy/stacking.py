@@ -21,12 +21,12 @@ import logging
 
 import torch
 
-from .. import _state
-from . import amp_lists, amp_stash
+from ..config.opt_levels import resolve
 from ..errors import UsageError
-from ..frontend import _check_incoming_fp32, deinitialize
-from ..frontend import initialize as _initialize
-from ..opt_levels import resolve
+from ..session import state as _state
+from ..session.api import _check_incoming_fp32, deinitialize
+from ..session.api import initialize as _initialize
+from . import amp_lists, amp_stash
 
 log = logging.getLogger("amp_patch")
 _SIGNATURE = inspect.signature(_initialize)

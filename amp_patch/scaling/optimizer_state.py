@@ -25,10 +25,10 @@ import weakref
 
 import torch
 
-from .. import distributed
 from ..casting.wrappers import HALF_DTYPES
 from ..errors import UsageError
-from ..models import carry_edits
+from ..model.transform import carry_edits
+from ..parallel import ddp as distributed
 from .remainder import Fp32Masters
 from .unscale import unscale_
 

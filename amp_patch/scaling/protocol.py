@@ -5,9 +5,10 @@ import warnings
 
 import torch
 
-from .. import _state, distributed
-from ..diagnostics import bad_grads, skip_cause
 from ..errors import ConfigError, UsageError
+from ..observe.overflow import bad_grads, skip_cause
+from ..parallel import ddp as distributed
+from ..session import state as _state
 
 
 def current_session(api):
@@ -201,7 +202,7 @@ def _warn_if_masters_diverged(states):
     if distributed.masters_out_of_sync():
         warnings.warn("amp_patch: the fp32 master weights do not match the half model weights (DDP broadcast rank "
                       "0's half params at construction, the masters kept this rank's values). Call "
-                      "amp_patch.distributed.broadcast_master_params() once after wrapping the model in DDP, or "
+                      "amp_patch.parallel.ddp.broadcast_master_params() once after wrapping the model in DDP, or "
                       "build identical weights on every rank.", RuntimeWarning, stacklevel=4)
 
 

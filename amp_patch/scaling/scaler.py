@@ -17,9 +17,8 @@ import numbers
 import time
 from collections.abc import Mapping
 
-
-from amp_patch.errors import ConfigError
-from amp_patch.scaling.unscale import unscale_, unscale_into  # noqa: F401 - re-exported
+from ..errors import ConfigError
+from .unscale import unscale_, unscale_into  # noqa: F401 - re-exported
 
 logger = logging.getLogger("amp_patch")
 

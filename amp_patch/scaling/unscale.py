@@ -9,7 +9,7 @@ from collections.abc import MutableSequence
 
 import torch
 
-from amp_patch.errors import UsageError
+from ..errors import UsageError
 
 logger = logging.getLogger("amp_patch")
 _NO_KERNEL = set()  # device types where torch lacks _amp_foreach_non_finite_check_and_unscale_

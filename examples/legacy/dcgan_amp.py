@@ -9,7 +9,6 @@ import argparse
 
 import torch
 import torch.nn as nn
-
 from apex import amp
 
 parser = argparse.ArgumentParser()

@@ -10,7 +10,6 @@ import os
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from apex import amp
 
 

@@ -13,7 +13,6 @@ dtype, shape and bits (NaNs included), and ``None`` only where the other is ``No
 Exceptions: both runs must raise at the same step (messages may differ), or neither.
 """
 import torch
-
 from oracle_run import Raised
 
 TOLERANCE = {"bf16": 0.1, "fp16": 0.02}

@@ -8,9 +8,8 @@ programs; a failure prints the minimal program, which is enough to reproduce it 
 import os
 
 from hypothesis import HealthCheck, Phase, assume, note, settings
-from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
-
+from hypothesis.control import currently_in_test_context
 from oracle_compare import TOLERANCE, diverged, first_mismatch, raised
 from oracle_program import OP_ARGS, OPS, STEP_FEATURES, Op, Program, Step
 from oracle_run import AmpRunner, Fp32Runner, NativeRunner, run_program

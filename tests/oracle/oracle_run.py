@@ -23,10 +23,10 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-
-import amp_patch
 from oracle_program import DTYPES, batch, build_model, random_like
 from oracle_text import PARAM_NAMES
+
+import amp_patch
 
 LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss, "cross_entropy": F.cross_entropy,
           "sum": lambda out, y: (out * out).sum()}

@@ -3,7 +3,6 @@ which classes pass once the fixes are merged. Each is the minimal program the cl
 test_oracle_harness.py shrinks to (or a hand-written one of the same shape). All pass since the fixes of
 cast-faults, model-faults and fp32-regions (they were strict xfails until then)."""
 import pytest
-
 from oracle_gen import check_close_to_fp32, check_matches_native
 from oracle_program import Op, Program, Step
 from oracle_run import AmpRunner

@@ -14,7 +14,6 @@ in test_oracle_classes.py. CI profile: ``oracle_gen.EXAMPLES`` derandomized exam
 import pytest
 import torch
 from hypothesis import given
-
 from oracle_gen import assume_ran, check_close_to_fp32, check_matches_native, profile, programs
 from oracle_program import FEATURES, Op, Program, Step
 from oracle_run import AmpRunner

@@ -12,9 +12,9 @@ category (with its in-place ``name_`` variant, as Apex derived those from the sa
 :class:`~amp_patch.errors.OpListError` that starts with the ``file:line`` of the statement that added it and
 names the list. Edits made after ``initialize`` apply at the next call, as in Apex.
 """
-from ...casting.oplist import load_op_lists
-from ...casting.resolve import resolve_name, resolve_target
+from ...config.oplist import load_op_lists
 from ...errors import ConfigError, OpListError
+from ...patching.resolve import resolve_name, resolve_target
 from . import functional_overrides, tensor_overrides, torch_overrides
 from ._names import OpNameList, _key
 

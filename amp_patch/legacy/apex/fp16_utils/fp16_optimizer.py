@@ -10,8 +10,8 @@ import logging
 
 import torch
 
-from .... import distributed
 from ....errors import ConfigError
+from ....parallel import ddp as distributed
 from ....scaling.optimizer_state import OptimizerState
 from ....scaling.scaler import LossScaler
 

@@ -1,8 +1,16 @@
 """``apex.optimizers.FusedAdam``: Adam / AdamW with Apex's arguments and state layout, on foreach math."""
-from ... import amp_C
 from ....errors import ConfigError, UsageError
-from ._base import (FusedOptimizer, advance_step, by_device, closure_loss, fp32_buffer, note_no_effect, refuse_amsgrad,
-                    update_targets)
+from ... import amp_C
+from ._base import (
+    FusedOptimizer,
+    advance_step,
+    by_device,
+    closure_loss,
+    fp32_buffer,
+    note_no_effect,
+    refuse_amsgrad,
+    update_targets,
+)
 from ._legacy_adam import legacy_step
 
 

@@ -1,8 +1,8 @@
 """``apex.optimizers.FusedLAMB``: Apex's LAMB (global grad-norm clipping, Adam moments, per-tensor trust ratio)."""
 import torch
 
-from ... import amp_C
 from ....errors import ConfigError, UsageError
+from ... import amp_C
 from ._base import FusedOptimizer, advance_step, by_device, closure_loss, fp32_buffer, refuse_amsgrad, update_targets
 
 

@@ -1,8 +1,8 @@
 """``apex.optimizers.FusedNovoGrad``: NovoGrad (per-tensor second moment) with Apex's arguments and layout."""
 import torch
 
-from ... import amp_C
 from ....errors import ConfigError, UsageError
+from ... import amp_C
 from ._base import FusedOptimizer, advance_step, closure_loss, fp32_buffer, refuse_amsgrad
 
 

@@ -2,10 +2,9 @@
 import torch
 from torch.optim.optimizer import required as _REQUIRED
 
-from ... import amp_C
 from ....errors import ConfigError
+from ... import amp_C
 from ._base import FusedOptimizer, by_device, closure_loss, note_no_effect
-
 
 
 class FusedSGD(FusedOptimizer):

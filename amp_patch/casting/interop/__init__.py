@@ -1,0 +1,1 @@
+"""Casting alongside the rest of torch: checkpoint recompute, native autocast regions, warnings, forks, modules."""

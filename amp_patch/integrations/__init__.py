@@ -1,0 +1,1 @@
+"""Training frameworks that own the loop (Lightning Trainer and Fabric)."""

@@ -1,0 +1,1 @@
+"""What initialize does to a model: parameter and buffer casts, input/output casting hooks."""

@@ -1,0 +1,396 @@
+"""Model-side changes for O0/O2/O3: cast the weights, cast inputs and outputs, keep some modules fp32.
+
+Everything is done with removable hooks and recorded so ``deinitialize`` can
+undo it: forward pre-/post-hooks (no replaced ``forward`` attribute), and for
+cast models a state_dict post-hook (the model's state_dict holds the fp32
+master values, or fp32 copies without masters, under every name of tied params)
+and a load_state_dict pre-hook (loading also updates the masters).
+
+The hooks are objects of the classes below, so a model can be pickled (``torch.save(model)``) and copied
+(``copy.deepcopy``, as EMA and teacher copies are made) during a session. A copy is independent of the session:
+its state_dict hooks become inert (its ``state_dict()`` is its own tensors, in their current dtypes) while its
+input/output casts keep following its own weights (see :class:`CastInputs`).
+"""
+import torch
+from torch.nn.modules import module as _module_mod
+
+from ..casting.interop.modules import forward_hook, forward_pre_hook
+from ..casting.wrappers import FLOAT_DTYPES, HALF_DTYPES, cast_tree
+from ..errors import UsageError
+
+_BATCHNORM = (torch.nn.modules.batchnorm._BatchNorm,)
+
+
+def _caster(dtype):
+    """Cast floating tensors (fp64 excepted unless dtype is fp64) to ``dtype``."""
+
+    def cast(t):
+        dt = t.dtype
+        if dt is dtype or dt not in FLOAT_DTYPES or (dt is torch.float64 and dtype in HALF_DTYPES):
+            return t
+        return t.to(dtype=dtype)
+
+    return cast
+
+
+def _cast_once(args, kwargs, dtype):
+    """Cast the call's floating tensors, each distinct tensor once: an argument passed several times stays one
+    tensor (``MultiheadAttention``'s fused fast path needs ``query is key is value``)."""
+    cast = _caster(dtype)
+    seen = {}  # id -> (source, cast); holding the source keeps its id unique during the call
+
+    def cast_one(t):
+        found = seen.get(id(t))
+        if found is None:
+            found = seen[id(t)] = (t, cast(t))
+        return found[1]
+
+    return cast_tree(args, cast_one), cast_tree(kwargs, cast_one)
+
+
+class _NotScriptable(UsageError, AttributeError):
+    """torch.jit.script asked an amp_patch hook for its ``__name__`` (also an AttributeError: hasattr says no)."""
+
+
+_SCRIPT_HELP = ("torch.jit.script cannot compile amp_patch's forward hooks on this model, and TorchScript would not "
+                "run amp_patch's casts anyway (it compiles torch calls to aten ops, past the O1 wrappers). Use "
+                "torch.jit.trace(model, example_inputs) during the session: it records the casts; or script the "
+                "model before amp_patch.initialize() or after amp_patch.deinitialize()")
+
+
+class ForwardHook:
+    """Base of amp_patch's forward hooks: plain objects (picklable), refused by torch.jit.script with the fix."""
+
+    @property
+    def __name__(self):
+        raise _NotScriptable(_SCRIPT_HELP)
+
+
+class SessionHook(ForwardHook):
+    """A hook that belongs to the session: copies and pickles of the model get an inert hook instead."""
+
+    def __deepcopy__(self, memo):
+        return InertHook()
+
+    def __reduce__(self):
+        return InertHook, ()
+
+
+class CallOnForward(SessionHook):
+    """A forward pre-hook or forward hook calling ``fn()`` (e.g. the O1 engine's resume after a failed step)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, module, *args_and_output):
+        self.fn()
+
+
+class InertHook(ForwardHook):
+    """What a session hook becomes in a copied or unpickled model: does nothing."""
+
+    _from_public_api = True  # (torch marks state_dict post-hooks registered through its public API)
+
+    def __call__(self, *args, **kwargs):
+        return None
+
+
+class RegistrationWatch:
+    """Counts module and parameter registrations anywhere in the process while installed (torch's global
+    registration hooks): a model's input hook re-checks the model's dtypes only when the count moved."""
+
+    def __init__(self):
+        self.generation = 0
+        self.handles = []
+
+    def install(self):
+        self.handles.append(_module_mod.register_module_module_registration_hook(self._bump))
+        self.handles.append(_module_mod.register_module_parameter_registration_hook(self._bump))
+        return self
+
+    def remove(self):
+        """Remove the hooks (again safe); also one whose handle an interrupt lost between register and append."""
+        while self.handles:
+            self.handles[-1].remove()
+            self.handles.pop()
+        for hooks in (_module_mod._global_module_registration_hooks,
+                      _module_mod._global_parameter_registration_hooks):
+            for key in [key for key, hook in hooks.items() if hook == self._bump]:
+                del hooks[key]
+
+    def _bump(self, *args):
+        self.generation += 1
+
+    def __getstate__(self):
+        return {"generation": self.generation, "handles": []}
+
+
+class WeightSlots:
+    """Where the params amp_patch cast live, as ``(module, name)``: read at each forward, so the weights actually
+    used count (``torch.func.functional_call`` puts its tensors in ``module._parameters``; ``.data`` may be
+    replaced). The first one gives the model's dtype."""
+
+    def __init__(self):
+        self.slots = []
+
+    def dtype(self, default):
+        param = self.slots[0][0]._parameters.get(self.slots[0][1]) if self.slots else None
+        return default if param is None else param.dtype
+
+    def check(self, model, dtype):
+        """Refuse (naming the fix) a cast param whose dtype is no longer the model's: the forward would fail."""
+        for module, name in self.slots:  # (~0.2 us a param: 40 us a forward for 200 params on a slow CPU)
+            param = module._parameters.get(name)
+            if param is not None and param.dtype is not dtype:
+                _refuse_mixed(model, module, name, param.dtype, dtype)
+
+
+def _refuse_mixed(model, module, pname, got, dtype):
+    path = next((n for n, m in model.named_modules() if m is module), None)
+    where = f"{path}.{pname}" if path else pname
+    raise UsageError(
+        f"parameter {where!r} of the {type(model).__name__} is {got} but the model's weights are {dtype}: its "
+        f"value (.data, or a tensor passed to torch.func.functional_call) was given another dtype after "
+        f"amp_patch.initialize(). Give it the model's dtype (e.g. model.{where}.data = value.to({dtype})), or pass "
+        f"functional_call every weight in one dtype (e.g. {{k: v.to({dtype}) for k, v in state.items()}})")
+
+
+class CastInputs(ForwardHook):
+    """Forward pre-hook of a cast model: floating inputs follow the dtype of its weights (``like``, the
+    :class:`WeightSlots` of the params amp_patch cast, read at each forward), so ``model.float()`` after
+    initialize, or ``functional_call`` with the fp32 ``state_dict()``, runs in fp32. A module added since
+    initialize whose weights have another dtype (a new fp32 head), or a cast param given another dtype, is refused
+    at the next forward, naming the fix."""
+
+    def __init__(self, like, dtype, keep_types, watch):
+        self.like, self.dtype, self.keep_types, self.watch = like, dtype, keep_types, watch
+        self.checked = watch.generation
+
+    def __call__(self, module, args, kwargs):
+        dtype = self.like.dtype(self.dtype)
+        self.like.check(module, dtype)
+        if self.watch.generation != self.checked:
+            _check_dtypes(module, dtype, self.keep_types)
+            self.checked = self.watch.generation
+        return _cast_once(args, kwargs, dtype)
+
+
+def _check_dtypes(model, dtype, keep_types):
+    for name, module in model.named_modules():
+        if keep_types and isinstance(module, keep_types):
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            if p.dtype in FLOAT_DTYPES and p.dtype is not torch.float64 and p.dtype is not dtype:
+                where = f"{name}.{pname}" if name else pname
+                raise UsageError(
+                    f"parameter {where!r} of the {type(model).__name__} is {p.dtype} but the model amp_patch cast "
+                    f"runs in {dtype}: a module added (or replaced) after amp_patch.initialize() keeps its own dtype "
+                    f"and would get {dtype} activations. Cast it to the model's dtype (e.g. model.{name or 'x'}"
+                    f".to({dtype})) before the forward (and add its params to the optimizer: "
+                    f"optimizer.add_param_group), or build it before initialize")
+
+
+class CastOutputs(ForwardHook):
+    """Forward hook: floating outputs to a fixed dtype (``cast_model_outputs``, fp32 by default)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, args, out):
+        return cast_tree(out, _caster(self.dtype))
+
+
+class CastArgsTo(ForwardHook):
+    """Forward pre-hook (with kwargs) of a module kept fp32: its inputs to fp32."""
+
+    def __call__(self, module, args, kwargs):
+        to_fp32 = _caster(torch.float32)
+        return cast_tree(args, to_fp32), cast_tree(kwargs, to_fp32)
+
+
+class CastOutputsLike(ForwardHook):
+    """Forward hook of a module kept fp32: its outputs back to the model's dtype (that of ``like``)."""
+
+    def __init__(self, like, dtype):
+        self.like, self.dtype = like, dtype
+
+    def __call__(self, module, args, out):
+        return cast_tree(out, _caster(self.like.dtype(self.dtype)))
+
+
+class StateDictHook(SessionHook):
+    """state_dict post-hook: what amp_patch cast, in its original dtype (the master where there is one, with the
+    in-place edits of the half model since the last step carried into it: see :func:`carry_edits`)."""
+
+    def __init__(self, restored, to_model=None):
+        self.restored = restored  # (name, original dtype, master or None, param)
+        self.to_model = to_model  # (param, master) -> the half value the param got from its master (None: a cast)
+
+    def __call__(self, module, state_dict, prefix, local_metadata):
+        carry_edits([(param, master) for _, _, master, param in self.restored if isinstance(master, torch.Tensor)],
+                    strict=False, to_model=self.to_model)
+        for name, dtype, master, _ in self.restored:
+            value = state_dict.get(prefix + name)
+            if master is not None:
+                state_dict[prefix + name] = master.detach()
+            elif isinstance(value, torch.Tensor) and value.dtype is not dtype:
+                state_dict[prefix + name] = value.detach().to(dtype)
+
+
+class LoadMastersHook(SessionHook):
+    """load_state_dict pre-hook: loading also writes the masters (in place, so tied params stay tied)."""
+
+    def __init__(self, restored, to_model=None):
+        self.restored = restored
+        self.to_model = to_model  # (param, master) -> the half value the param gets (None: torch's cast of the value)
+
+    def __call__(self, module, state_dict, prefix, *unused):
+        with torch.no_grad():
+            for name, _, master, param in self.restored:
+                value = state_dict.get(prefix + name)
+                if master is not None and isinstance(value, torch.Tensor) and value.shape == master.shape:
+                    master.copy_(value)
+                    if self.to_model is not None:
+                        state_dict[prefix + name] = self.to_model(param, master)
+
+
+def carry_edits(pairs, strict=True, to_model=None):
+    """Master weights (O2): carry into the fp32 masters what changed in the half model params since the masters
+    were last copied into them (WGAN's ``p.data.clamp_(-c, c)``, weight surgery through ``.data``), elementwise,
+    so the next step does not silently undo it. Called before each step and at deinitialize (``strict=False``:
+    a param whose shape changed is left to its master); unchanged params cost one compare. ``to_model(param,
+    master)``: the half value the param got from its master (default torch's cast; ``master_rounding="split"``
+    rounds ties otherwise, and a tie must not read as an edit)."""
+    with torch.no_grad():
+        for param, master in pairs:
+            if param.shape != master.shape and not strict:
+                continue
+            if param.shape != master.shape:
+                raise UsageError(
+                    f"a {param.dtype} model param changed shape from {tuple(master.shape)} to {tuple(param.shape)} "
+                    "since initialize; its fp32 master (in amp_patch.master_params(optimizer)) cannot follow. "
+                    "Resize the model before amp_patch.initialize(), or edit the masters (and build a new "
+                    "optimizer and session) instead")
+            rounded = master.to(param.dtype) if to_model is None else to_model(param, master)
+            bits, rounded_bits = _bits(param), _bits(rounded)  # (bitwise: a NaN weight is no edit)
+            if torch.equal(bits, rounded_bits):
+                continue
+            master.copy_(torch.where(bits != rounded_bits, param.to(master.dtype), master))
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t):
+    return t.view(_INT_OF_SIZE[t.element_size()]) if t.element_size() in _INT_OF_SIZE else t
+
+
+class ModelPatch:
+    """The changes made to one model; ``restore`` undoes them."""
+
+    def __init__(self, model):
+        self.model = model
+        self.handles = []
+        self.original_dtypes = {}
+        self.buffers = []
+        self.kept = {}  # id(tensor) -> its pre-initialize data, until commit(): a failed initialize restores it
+        self.like = WeightSlots()  # where the params cast live: the first gives the model's dtype, as it is now
+
+    def cast(self, dtype, keep_types):
+        """Cast params/buffers to ``dtype`` except modules of ``keep_types`` (which stay as they are).
+
+        Returns ``{id(param): fp32 data}`` for params that changed dtype (zero-copy: the old storage).
+        """
+        old_data = {}
+        for module in self.model.modules():
+            if keep_types and isinstance(module, keep_types):
+                continue
+            for name, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+                if t is None or not t.is_floating_point() or t.dtype is dtype or id(t) in self.kept:
+                    continue
+                self.kept[id(t)] = t.data
+                if isinstance(t, torch.nn.Parameter):
+                    self.original_dtypes.setdefault(id(t), (t, t.dtype))
+                    old_data[id(t)] = t.data
+                    self.like.slots.append((module, name))
+                else:  # .data keeps the buffer object: restore gives the same tensor back
+                    self.buffers.append((module, name, t, t.dtype))
+                t.data = t.data.to(dtype)
+        return old_data
+
+    def commit(self):
+        """initialize succeeded: stop holding the params' pre-initialize data (the masters hold what O2 needs).
+        Buffers keep theirs (they are small): one the session never changed gets its exact fp32 value back."""
+        buffer_ids = {id(buffer) for _, _, buffer, _ in self.buffers}
+        self.kept = {k: v for k, v in self.kept.items() if k in buffer_ids}
+
+    def cast_io(self, input_dtype, output_dtype, keep_types):
+        """Cast floating inputs of the model to its weights' dtype and its outputs to ``output_dtype``."""
+        watch = RegistrationWatch()
+        self.handles.append(watch)  # before it installs: restore() removes it whenever an interrupt lands
+        watch.install()
+        self.handles.append(forward_pre_hook(self.model, CastInputs(self.like, input_dtype, keep_types, watch),
+                                             with_kwargs=True))
+        self.handles.append(forward_hook(self.model, CastOutputs(output_dtype)))
+        if input_dtype in HALF_DTYPES:
+            self._keep_modules_fp32(keep_types, input_dtype)
+
+    def _keep_modules_fp32(self, keep_types, half):
+        """User-named fp32 modules (not batchnorm, which takes half input natively) run on fp32 input."""
+        extra = tuple(t for t in keep_types if not issubclass(t, _BATCHNORM))
+        if not extra:
+            return
+        for module in self.model.modules():
+            if isinstance(module, extra):
+                self.handles.append(module.register_forward_pre_hook(CastArgsTo(), with_kwargs=True))
+                self.handles.append(module.register_forward_hook(CastOutputsLike(self.like, half)))
+
+    def link_state_dict(self, masters, to_model=None):
+        """state_dict() holds what amp_patch cast in its original dtype under every name (tied params included):
+        the fp32 masters where there are (O2), else an upcast copy (O3, as Apex's state_dict hook did).
+        load_state_dict() also writes the masters (in place, so tied params stay tied); ``to_model(param,
+        master)``, if given, is the half value the model param then gets (else torch's cast of the loaded one)."""
+        if not self.original_dtypes and not self.buffers:
+            return
+        params, buffers = _names_by_id(self.model)
+        restored = []  # (name, original dtype, master or None, param or None)
+        for pid, (param, dtype) in self.original_dtypes.items():
+            restored += [(name, dtype, masters.get(pid), param) for name in params.get(pid, ())]
+        for module, name, _, dtype in self.buffers:
+            restored += [(path + name, dtype, None, None) for path in buffers.get(id(module), ())]
+        self.handles.append(self.model.register_state_dict_post_hook(StateDictHook(restored, to_model)))
+        self.handles.append(self.model.register_load_state_dict_pre_hook(LoadMastersHook(restored, to_model)))
+
+    def restore(self, masters=None):
+        """Remove the hooks and give params/buffers back their dtypes (params get the master values; after a
+        failed initialize, params and buffers get their very pre-initialize data back)."""
+        while self.handles:  # removed, then forgotten (an interrupt between the two loses no hook)
+            self.handles[-1].remove()
+            self.handles.pop()
+        masters = {**(masters or {}), **self.kept}
+        for pid, (param, dtype) in self.original_dtypes.items():
+            master = masters.get(pid)
+            param.data = master.data if master is not None else param.data.to(dtype)
+            if param.grad is not None and param.grad.dtype is not dtype:
+                param.grad = None  # a half grad belongs to the half model (and may still be scaled)
+        for module, name, buffer, dtype in reversed(self.buffers):
+            current = module._buffers.get(name)
+            if current is buffer:
+                old = self.kept.get(id(buffer))
+                unchanged = old is not None and torch.equal(buffer.data, old.to(buffer.dtype))
+                buffer.data = old if unchanged else buffer.data.to(dtype)
+            elif current is not None:  # the model replaced the buffer while initialized
+                module._buffers[name] = current.to(dtype)
+        self.original_dtypes.clear()
+        self.buffers.clear()
+        self.kept = {}
+
+
+def _names_by_id(model):
+    """``{id(param): [every name]}`` and ``{id(module): [every "path." prefix]}``, duplicates (ties) kept."""
+    params, modules = {}, {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        params.setdefault(id(param), []).append(name)
+    for path, module in model.named_modules(remove_duplicate=False):
+        modules.setdefault(id(module), []).append(path + "." if path else "")
+    return params, modules

@@ -1,0 +1,1 @@
+"""Data parallelism: DDP (rank-consistent skipping, broadcasts) and FSDP2 (O2 through MixedPrecisionPolicy)."""

@@ -1,0 +1,297 @@
+"""torch.distributed helpers: rank-consistent overflow decisions, rank-0 logging, master-weight sync.
+
+Nothing here imports or initializes a process group; every function is a cheap
+no-op unless ``torch.distributed`` is available, initialized and has >1 rank.
+
+Rules the helpers rely on (see docs/distributed.md):
+
+* every rank calls ``scale_loss`` (and ``optimizer.step()`` after a delayed
+  unscale) the same number of times, because each non-delayed ``scale_loss``
+  exit all-reduces the overflow flag (one scalar, MAX) over the default group;
+* DDP wraps the model *after* ``initialize``; under master weights (O2) DDP's
+  construction broadcast reaches the half model params only, so ranks must start
+  from identical weights or call :func:`broadcast_master_params` after wrapping.
+"""
+import contextlib
+import functools
+import inspect
+import logging
+import sys
+import time
+import warnings
+
+import torch
+
+from ..errors import UsageError
+from ..patching.patcher import Patcher
+from ..session import state as _state
+
+__all__ = ["agree_overflow", "broadcast_master_params", "masters_out_of_sync", "check_unscale_inside_no_sync",
+           "world_size", "rank"]
+
+log = logging.getLogger("amp_patch")
+
+
+def _world():
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
+def _flag_device(dist):
+    """Where the overflow flag lives: the current CUDA device for NCCL (it cannot reduce CPU tensors), else CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree_overflow(found_inf, device=None):
+    """True on every rank if any rank saw non-finite grads (one scalar all-reduce when distributed)."""
+    dist = _world()
+    if dist is None:
+        return found_inf
+    flag = torch.tensor([1.0 if found_inf else 0.0], device=device if device is not None else _flag_device(dist))
+    _all_reduce_and_let_go(dist, flag, dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _all_reduce_and_let_go(dist, tensor, op, limit_s=0.2):
+    """A blocking all-reduce that, under gloo, also yields the GIL until the worker thread dropped ``tensor``.
+
+    The collective returns as soon as its work completes; gloo's worker drops the work's tensors a moment later,
+    and while a C++ reference exists torch keeps one on the tensor's Python object, so that drop takes the GIL.
+    After a script's last step the worker could then need the GIL during interpreter shutdown (the process
+    aborts: "terminate called without an active exception") or while the main thread holds it in a process
+    group's destructor (the process hangs). The extra Python reference shows in sys.getrefcount.
+    """
+    refs = sys.getrefcount(tensor)
+    dist.all_reduce(tensor, op=op)
+    if dist.get_backend() != "gloo":
+        return
+    deadline = time.monotonic() + limit_s
+    while sys.getrefcount(tensor) > refs:
+        if time.monotonic() > deadline:
+            warnings.warn(f"amp_patch: gloo kept a reference to the overflow flag {limit_s} s after the all-reduce "
+                          "returned (a debug recorder holding tensors?); every step waits this long for it "
+                          "(shown once)", RuntimeWarning, stacklevel=2)
+            return
+        time.sleep(0)  # releases the GIL
+
+
+def world_size():
+    dist = _world()
+    return dist.get_world_size() if dist is not None else 1
+
+
+def rank():
+    dist = _world()
+    return dist.get_rank() if dist is not None else 0
+
+
+class RankZeroFilter(logging.Filter):
+    """Drops amp_patch log records on ranks other than 0."""
+
+    def filter(self, record):
+        return rank() == 0
+
+
+def install_rank_filter(all_ranks):
+    """Add the rank-0 filter to the amp_patch logger; returns a callable that removes it."""
+    if all_ranks:
+        return lambda: None
+    flt = RankZeroFilter()
+    log.addFilter(flt)
+    return lambda: log.removeFilter(flt)
+
+
+def _master_pairs():
+    session = _state.current()
+    if session is None or not session.enabled:
+        raise UsageError("amp_patch.parallel.ddp.broadcast_master_params() needs an initialized session; call "
+                         "amp_patch.initialize(...) first, then wrap the model in DistributedDataParallel")
+    return [(state, model_p, master) for state in session.opt_states.values()
+            for model_p, master in state.public_pairs()]
+
+
+def broadcast_master_params(src=0, group=None):
+    """Give every rank rank ``src``'s fp32 master params (and the half model params cast from them).
+
+    DDP broadcasts rank 0's *model* params when it is constructed; under O2 those
+    are the half copies and the fp32 masters held by the optimizer keep each
+    rank's own values. Call this once after wrapping the model when the ranks
+    did not build identical weights (different seeds, a checkpoint loaded on one
+    rank only). A no-op outside a multi-rank run and for opt levels without
+    master weights. Collective: every rank of ``group`` must call it.
+    """
+    pairs = _master_pairs()
+    dist = _world()
+    if dist is None or not pairs:
+        return
+    with torch.no_grad():
+        for state, model_p, master in pairs:
+            value = master.detach()  # a real fp32 master's own storage, or a remainder master joined
+            dist.broadcast(value, src=src, group=group)
+            master.copy_(value)
+            model_p.copy_(state.to_model(model_p, master))
+
+
+def masters_out_of_sync():
+    """Names (``"param i"``) of this rank's master params that do not round to their half model param.
+
+    Local and cheap (no collective). A non-empty answer after wrapping in DDP
+    means DDP overwrote the half params with rank 0's and the fp32 masters were
+    left behind: call :func:`broadcast_master_params`.
+    """
+    bad = []
+    for i, (state, model_p, master) in enumerate(_master_pairs()):
+        if state.out_of_sync(model_p, master):
+            bad.append(f"param {i}")
+    return bad
+
+
+def check_unscale_inside_no_sync(model, delay_unscale):
+    """Raise UsageError for a non-delayed ``scale_loss`` exit inside ``model.no_sync()`` (``model`` a DDP module).
+
+    DDP reduces ``param.grad`` as it stands at the next synced backward, but a
+    non-delayed exit moves the local, never-reduced grads out of ``param.grad``
+    (into the accumulation stash or the fp32 master grads) before that backward
+    runs: each rank would then step with its own gradients and the replicas drift
+    apart. Inside ``no_sync()`` pass ``delay_unscale=True``. ``model=None`` or a
+    model that is not DDP: nothing to check.
+    """
+    if delay_unscale or model is None or getattr(model, "require_backward_grad_sync", True):
+        return
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or _world() is None:
+        return
+    raise UsageError("scale_loss(..., delay_unscale=False) inside DistributedDataParallel.no_sync(): these local "
+                     "gradients would be unscaled and moved out of param.grad before DDP reduces it, so every rank "
+                     "would step with different gradients. Pass delay_unscale=True for the micro-batches inside "
+                     "no_sync() and unscale (delay_unscale=False) on the synced last one.")
+
+
+def track_no_sync(session):
+    """Patch ``DistributedDataParallel.no_sync`` to count, in ``session.no_sync_depth``, the open ``no_sync()``
+    regions; returns the undo callable.
+
+    Under master weights a non-delayed ``scale_loss`` exit would move the local grads out of ``param.grad``
+    before DDP's next synced backward reduces them. While a region is open, ``scale_loss`` leaves them scaled in
+    ``param.grad`` instead (as ``delay_unscale=True`` does), so legacy loops that never pass ``delay_unscale``
+    or ``model=`` accumulate correctly. Counting every DDP module is safe: a deferred unscale is finished by
+    the next non-delayed exit or by ``step()``.
+    """
+    return _patch_ddp("no_sync", lambda original: _counting_no_sync(original, session))
+
+
+def follow_ddp_broadcast(session):
+    """Patch ``DistributedDataParallel.__init__`` so that the fp32 masters follow the weights DDP broadcasts.
+
+    DDP gives every rank rank 0's *model* params when it is built; under O2 those are the half copies, and the
+    masters made at ``initialize`` would keep each rank's own values (scripts that seed each rank differently,
+    e.g. NVIDIA's BERT pre-training, then train different weights per rank). Apex made its masters at the first
+    backward, after that broadcast; here, right after DDP's own broadcast, the masters of the wrapped module's
+    params are broadcast from the same source rank (collective, as DDP's construction is), and the half params
+    re-cast from them. Nothing happens for ``init_sync=False`` (DDP broadcasts nothing then). Returns the undo.
+    """
+    return _patch_ddp("__init__", lambda original: _syncing_init(original, session))
+
+
+def _patch_ddp(name, make_replacement):
+    """Patch ``DistributedDataParallel.<name>`` for the session; returns the undo (a no-op without
+    torch.distributed)."""
+    if not torch.distributed.is_available():
+        return lambda: None
+    patcher = Patcher()
+    patcher.install(torch.nn.parallel.DistributedDataParallel, name, make_replacement)
+    return patcher.restore_all
+
+
+def _syncing_init(original, session):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if signature.bind(self, *args, **kwargs).arguments.get("init_sync", True):
+            _broadcast_module_masters(self, session)
+
+    return __init__
+
+
+def _broadcast_module_masters(ddp, session):
+    """Give the masters of ``ddp.module``'s params (not those DDP ignores) DDP's source rank's values, and their
+    model params the half values the session's rounding rule gives (remainder masters: split, as they store)."""
+    ignored = getattr(ddp, "parameters_to_ignore", set())
+    wanted = {id(p) for name, p in ddp.module.named_parameters() if name not in ignored}
+    pairs = [(state, model_p, master) for state in session.opt_states.values()
+             for model_p, master in state.public_pairs() if id(model_p) in wanted]
+    if not pairs:
+        return
+    group = ddp.process_group
+    src = torch.distributed.get_global_rank(group, 0)
+    values = [master.detach() for _, _, master in pairs]
+    flat = torch._utils._flatten_dense_tensors(values)
+    torch.distributed.broadcast(flat, src=src, group=group)
+    with torch.no_grad():
+        for (state, model_p, master), value in zip(pairs, torch._utils._unflatten_dense_tensors(flat, values)):
+            master.copy_(value)
+            model_p.copy_(state.to_model(model_p, master))
+
+
+def _counting_no_sync(original, session):
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def no_sync(self):
+        with original(self):
+            session.no_sync_depth += 1
+            try:
+                yield
+            finally:
+                session.no_sync_depth -= 1
+
+    return no_sync
+
+
+# -- FSDP2 (torch.distributed.fsdp.fully_shard) ---------------------------------------------------------------
+def _is_sharded(model):
+    from .fsdp2 import is_sharded
+    return is_sharded(model)
+
+
+def check_fsdp_at_initialize(models, props, master_weights=None):
+    """``(props, FSDP2 param groups, models to watch for a later shard)`` (see :func:`amp_patch.parallel.fsdp2.adapt_props`).
+
+    O2/O3 on a model sharded with a compatible MixedPrecisionPolicy (``amp_patch.fully_shard``): no cast and no
+    master copy; other sharded models are refused at O2/O3 with the policy to use.
+    """
+    from .fsdp2 import adapt_props
+    props, groups = adapt_props(models, props, master_weights)
+    return props, groups, [m for m in models if not _is_sharded(m)]
+
+
+def fsdp_accumulating(session, scaler, loss_id):
+    """True while ``set_requires_gradient_sync(False)`` keeps the session's FSDP2 grads unreduced: they
+    accumulate inside FSDP2, out of ``param.grad``, so the scale_loss exit is delayed to the synced micro-batch.
+
+    Those grads carry the scale of the loss that produced them and amp_patch cannot rescale them there, so one
+    accumulation must use one loss id (refused otherwise)."""
+    off = any(not group.reduce_grads for group in session.fsdp_groups)
+    held = session.fsdp_held
+    if held is not None and held[0] is not scaler:
+        raise UsageError(f"scale_loss(..., loss_id={loss_id}) while FSDP2 holds gradients that micro-batches under "
+                         f"set_requires_gradient_sync(False) accumulated from loss_id={held[1]}; they are scaled "
+                         "by that loss's scale inside FSDP2, where amp_patch cannot rescale them. Use one loss_id "
+                         "for the micro-batches of one accumulation (or scale their sum: scale_loss(loss0 + loss1, "
+                         "optimizer)), or sync before switching loss ids.")
+    session.fsdp_held = (scaler, loss_id) if off else None
+    return off
+
+
+def check_not_sharded_since_initialize(models):
+    """UsageError when ``fully_shard`` ran on a model after ``initialize`` (checked at the first scale_loss)."""
+    if any(_is_sharded(m) for m in models):
+        raise UsageError("fully_shard() was applied to the model after amp_patch.initialize(): the optimizer (and "
+                         "under O2 the fp32 masters) still hold the unsharded parameters, so nothing would train. "
+                         "Shard first, then build the optimizer and initialize: fully_shard(...); optimizer = "
+                         "torch.optim.AdamW(model.parameters()); model, optimizer = amp_patch.initialize(model, "
+                         "optimizer, opt_level='O1')")

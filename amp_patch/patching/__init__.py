@@ -1,0 +1,1 @@
+"""Patch sites: finding, resolving and exactly undoing attribute patches; early-bound references."""

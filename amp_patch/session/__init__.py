@@ -1,0 +1,1 @@
+"""The active session: its one pointer and lock, initialize/deinitialize and the public API functions."""

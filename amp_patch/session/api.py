@@ -1,0 +1,363 @@
+"""The Apex-compatible entry points: initialize, deinitialize, amp state, master params (scale_loss: scaling/)."""
+import functools
+import logging
+
+import torch
+
+from ..casting.engine import CastingEngine
+from ..casting.interop import modules as module_compat
+from ..config.opt_levels import resolve
+from ..errors import ConfigError
+from ..model.transform import CallOnForward, ModelPatch
+from ..observe.overflow import OverflowDiagnoser, StepHistory
+from ..observe.trace import Tracer
+from ..parallel import ddp as distributed
+from ..patching import early_bound
+from ..patching.patcher import Patcher
+from ..scaling.optimizer_state import OptimizerState
+from ..scaling.protocol import check_idle_elsewhere
+from ..scaling.protocol import current_session as _session
+from ..scaling.remainder import make_storage
+from ..scaling.scaler import load_state_dict_into, state_dict_for
+from . import state as _state
+from .checks import (  # noqa: F401
+    _as_list,
+    _check_enabled,
+    _check_incoming_fp32,
+    _check_models,
+    _check_not_initialized,
+    _check_optimizers_train_models,
+    _check_the_rest,
+    _make_scalers,
+    _pack,
+    check_no_shared_params,
+)
+from .session import Session
+from .user_functions import REGISTRY
+
+log = logging.getLogger("amp_patch")
+
+
+def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
+               patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None, loss_scale=None,
+               cast_model_outputs=None, num_losses=1, verbosity=1, min_loss_scale=None, max_loss_scale=2.0 ** 24,
+               *, half_dtype=None, op_lists=None, allow_banned=False, growth_factor=2.0, backoff_factor=0.5,
+               growth_interval=2000, hysteresis=1, keep_fp32_modules=(), log_all_ranks=False,
+               diagnose_overflow=False, history_size=1000, allow_incoming_model_not_fp32=False,
+               master_rounding=None):
+    """Set up mixed precision for ``models`` and ``optimizers`` (Apex's signature plus keyword-only extras).
+
+    Returns the models and optimizers in the structure they were passed (only
+    the models when no optimizers were given). See docs/usage.md.
+    """
+    _check_not_initialized()
+    _check_enabled(enabled)
+    if models is None:
+        raise ConfigError("models=None; pass the model(s) to set up: initialize(model, optimizer, opt_level=...)")
+    model_list = _as_list(models, "models", torch.nn.Module)
+    opt_list = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
+    if not enabled:
+        _state.activate(Session(enabled=False))
+        return _pack(models, optimizers)
+    _check_models(model_list)
+    _check_incoming_fp32(model_list, allow_incoming_model_not_fp32)
+    props = resolve(opt_level, half_dtype=half_dtype, keep_fp32_modules=keep_fp32_modules,
+                    cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
+                    keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
+                    loss_scale=loss_scale, cast_model_outputs=cast_model_outputs, master_rounding=master_rounding)
+    props, fsdp_groups, unsharded = distributed.check_fsdp_at_initialize(model_list, props, master_weights)
+    # every argument is checked before anything is touched: a ConfigError leaves the models as they were
+    _check_optimizers_train_models(props, model_list, opt_list)
+    check_no_shared_params(props, opt_list, model_list)
+    scalers = _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor, backoff_factor,
+                            growth_interval, hysteresis)
+    table = _check_the_rest(props, history_size, op_lists)
+    session = Session(props)
+    session.grad_enabled = torch.is_grad_enabled()  # what undoing a failed (or interrupted) initialize leaves
+    session.fsdp_groups = fsdp_groups
+    try:
+        _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks)
+        session.unsharded_models = unsharded
+        _set_up_diagnostics(session, model_list, diagnose_overflow, history_size)
+        _log_configuration(props, verbosity)
+        _commit(session)
+    except BaseException:
+        _abandon(session)
+        raise
+    return _pack(models, optimizers)
+
+
+def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks):
+    """The steps of initialize that change something; each registers its undo before (or as) it acts."""
+    session.undo.append(distributed.install_rank_filter(log_all_ranks))
+    fp32_data = _prepare_models(session, model_list)
+    if not opt_list and session.props.master_weights:  # optimizers attached later (attach_optimizers) get exact
+        session.fp32_data = fp32_data  # masters; until then the model's state_dict()/load_state_dict() use these
+    _attach_optimizers(session, opt_list, fp32_data)
+    _guard_zero_grad(session)
+    _link_masters(session)
+    session.scalers = scalers
+    _install_casting(session, table, allow_banned)
+    _reach_early_bound(session, model_list)
+    _attach_scopes(session, model_list)
+    _guard_step_pause(session, model_list)
+
+
+def _commit(session):
+    """The session becomes the active one; the models stop keeping their pre-initialize fp32 values."""
+    _state.activate(session, session.engine)
+    session.grad_enabled = None  # deinitialize leaves the grad mode it is called in
+    for patch in session.model_patches:
+        patch.commit()
+
+
+def _abandon(session):
+    """Undo a failed initialize: every undo step runs (see Session.close). Should one fail too, the session stays
+    current so that ``deinitialize()`` retries it (logged); the caller re-raises the original error."""
+    if _state.current() is session:
+        _state.deactivate()
+    try:
+        session.close()
+    except BaseException:  # noqa: B036 - the initialize error is the one to report
+        _state.activate(session)
+        log.exception("undoing the failed amp_patch.initialize() failed too; call amp_patch.deinitialize()")
+
+
+def _guard_zero_grad(session):
+    """``optimizer.zero_grad()`` also clears the half model grads (O2) and the pending scale (all levels), so
+    after a failed batch it forgets that batch as it would without amp_patch (Apex patched each optimizer)."""
+    if not session.opt_states:
+        return
+    patcher = Patcher()
+
+    def make(original):
+        @functools.wraps(original)
+        def zero_grad(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            state = session.opt_states.get(id(self))
+            if state is not None and state.optimizer is self:
+                state.on_zero_grad()
+                if session.engine is not None:  # a step() that raised left O1 casting paused in this thread
+                    session.engine.resume_after_step()
+            return result
+        return zero_grad
+
+    session.undo.append(patcher.restore_all)  # first: an interrupt right after install leaves nothing behind
+    patcher.install(torch.optim.Optimizer, "zero_grad", make)
+    for state in session.opt_states.values():
+        if state.pairs and type(state.optimizer).zero_grad is not torch.optim.Optimizer.zero_grad:
+            log.warning("%s overrides zero_grad(); after a failed batch also call model.zero_grad() "
+                        "to clear the half model grads", type(state.optimizer).__name__)
+
+
+def _prepare_models(session, models):
+    """Cast models (O0/O2/O3) and their inputs/outputs; returns the fp32 data of params cast to half."""
+    props = session.props
+    fp32_data = {}
+    if props.cast_model_type is None:
+        return fp32_data
+    keep = props.keep_fp32_modules
+    if props.keep_batchnorm_fp32:
+        keep = keep + (torch.nn.modules.batchnorm._BatchNorm,)
+    for model in models:
+        patch = ModelPatch(model)
+        session.model_patches.append(patch)
+        session.undo.append(lambda patch=patch: patch.restore(_restore_values(session, patch)))
+        fp32_data.update(patch.cast(props.cast_model_type, keep))
+        patch.cast_io(props.cast_model_type, props.cast_model_outputs or torch.float32, keep)
+    return fp32_data
+
+
+def _restore_values(session, patch):
+    """What the cast params get back at deinitialize: their masters, else the fp32 values kept for
+    attach_optimizers (a session with no optimizer, e.g. Lightning's validate), on the param's device."""
+    values = {**session.fp32_data, **session.masters()}
+    return {pid: values[pid].to(param.device) for pid, (param, _) in patch.original_dtypes.items() if pid in values}
+
+
+def _attach_optimizers(session, optimizers, fp32_data):
+    for opt in optimizers:
+        props = session.props
+        state = OptimizerState(opt, master_weights=props.master_weights, fp32_data=fp32_data,
+                               storage=make_storage(props.master_storage, props.master_rounding), attach=False)
+        session.opt_states[id(opt)] = state
+        session.undo.append(state.restore)  # before attach: an interrupt inside it is undone too
+        state.attach(fp32_data)
+
+
+def _link_masters(session):
+    """state_dict()/load_state_dict() use the masters, or the kept fp32 data of params no optimizer holds yet
+    (called again by attach_optimizers: the later hooks, with the masters, decide)."""
+    masters = session.masters()
+    to_model = _model_rounding(session)
+    for patch in session.model_patches:
+        patch.link_state_dict({**session.fp32_data, **masters}, to_model)
+    if masters:
+        session.undo.append(distributed.track_no_sync(session))
+        session.undo.append(distributed.follow_ddp_broadcast(session))  # DDP built later: masters follow rank 0
+
+
+def _model_rounding(session):
+    """For loading a model state_dict: the half value a param gets from its master, by its optimizer's rule
+    (None when every master is rounded as torch casts: the loaded value is then cast by torch itself)."""
+    states = [s for s in session.opt_states.values() if s.pairs]
+    if all(s.storage.persistent and s.storage.rounding == "nearest" for s in states):
+        return None
+    owner = {id(p): s for s in states for p, _ in s.pairs}
+    return lambda param, master: owner[id(param)].to_model(param, master) if id(param) in owner else master
+
+
+def _install_casting(session, table, allow_banned):
+    props = session.props
+    if table is None:
+        return
+    if table.skipped:  # version-dependent entries are declared, never silently dropped
+        log.info("%d op-list entr%s skipped on torch %s: %s", len(table.skipped),
+                 "y" if len(table.skipped) == 1 else "ies", torch.__version__,
+                 "; ".join(f"{s.entry.qualname} ({s.entry.path}:{s.entry.line}: {s.reason})" for s in table.skipped))
+    session.engine = CastingEngine(table, half_dtype=props.half_dtype, allow_banned=allow_banned,
+                                   registrations=REGISTRY.take())
+    session.undo.append(session.engine.uninstall)
+    session.engine.install()
+    session.undo.append(module_compat.relax_rnn_input_check(session.engine))
+    for state in session.opt_states.values():
+        state.engine = session.engine
+
+
+def _reach_early_bound(session, models):
+    if session.engine is None:
+        return
+    session.models = models
+    session.refresh_early_bound()
+    session.undo.append(session.drop_early_bound)
+    session.unreachable = early_bound.scan_globals(models, session.engine)
+
+
+def _attach_scopes(session, models):
+    """Module-scoped op lists (the op list's ``scopes:``) apply inside the models' matching modules."""
+    if session.engine is not None:
+        session.engine.attach_scopes(models)
+
+
+def _guard_step_pause(session, models):
+    """O1 pauses casting inside optimizer.step() (its pre-hook); post-hooks do not run when step() raises, so the
+    step of each optimizer class in the session ends the pause in a ``finally`` (a class-level patch, undone by
+    deinitialize). Forwards of the models and scale_loss resume too."""
+    if session.engine is None:
+        return
+    resume, begin_forward, end_forward = (session.engine.resume_after_step, session.engine.begin_forward,
+                                          session.engine.end_forward)
+    for model in models:  # (begin_forward also drops the cast cache: see casting.wrappers.CastCache)
+        session.undo.append(module_compat.forward_pre_hook(model, CallOnForward(begin_forward)).remove)
+        session.undo.append(module_compat.forward_hook(model, CallOnForward(end_forward)).remove)
+    patcher = Patcher()
+    session.undo.append(patcher.restore_all)
+
+    def make(original):
+        @functools.wraps(original)  # also copies torch's ``hooked`` flag, so torch does not wrap it again
+        def step(self, *args, **kwargs):
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                resume()
+        return step
+
+    for cls in dict.fromkeys(type(state.optimizer) for state in session.opt_states.values()):
+        if "step" in vars(cls):
+            patcher.install(cls, "step", make)
+
+
+def _set_up_diagnostics(session, models, diagnose_overflow, history_size):
+    session.history = StepHistory(history_size)
+    session.models = models  # (a skipped step's cause names the params with non-finite grads)
+    if not diagnose_overflow:
+        return
+    tracer = None
+    if session.engine is not None:  # the recording wrappers tell which op produced a bad output
+        tracer = Tracer(modules=False, unpatched=False)
+        session.engine.retrace(tracer)
+        session.refresh_early_bound()
+    session.diagnoser = OverflowDiagnoser(models, session.props.half_dtype, tracer,
+                                          quiet=session.engine.casts_disabled if session.engine else None)
+    session.undo.append(session.diagnoser.remove)
+
+
+def _log_configuration(props, verbosity):
+    if verbosity:
+        log.info("opt_level %s, half dtype %s, cast_model_type %s, patch_torch_functions %s, "
+                 "keep_batchnorm_fp32 %s, master_weights %s, loss_scale %s", props.opt_level,
+                 props.half_dtype, props.cast_model_type, props.patch_torch_functions, props.keep_batchnorm_fp32,
+                 "remainder" if props.master_storage == "remainder" else props.master_weights, props.loss_scale)
+
+
+def deinitialize():
+    """Undo ``initialize``: remove every patch and hook, restore models and optimizers. Safe to call twice.
+
+    Every undo step runs even if one fails (or is interrupted); the session then stays current with the steps
+    that failed, so calling ``deinitialize()`` again finishes the job."""
+    session = _state.current()
+    if session is None:
+        return  # an open autocast() region (no session) keeps its engine: it removes its own patches on exit
+    check_idle_elsewhere(session)
+    closed = False
+    try:
+        _state.deactivate()
+        session.close()
+        closed = True
+    finally:
+        if not closed:  # (no engine: casting stays off) a second deinitialize() retries what failed
+            _state.activate(session)
+
+
+def clear_cache():
+    """Drop every cached half cast (scale_loss does this at the end of each iteration)."""
+    session = _state.current()
+    engine = _state.active_engine()
+    if session is not None:
+        session.clear_cache()
+    elif engine is not None:
+        engine.clear_cache()
+
+
+def master_params(optimizer):
+    """The params ``optimizer`` updates (fp32 masters under O2, else the model's own: half under O3); clip these."""
+    session = _session("master_params")
+    if not session.enabled:
+        return iter([p for g in optimizer.param_groups for p in g["params"]])
+    return session.state_for(optimizer).master_params()
+
+
+def last_step_skipped(optimizer):
+    """True when the optimizer's last ``step()`` was skipped because of an overflow."""
+    session = _session("last_step_skipped")
+    return session.state_for(optimizer).last_skipped if session.enabled else False
+
+
+def loss_scale(loss_id=0):
+    """The current loss scale of ``loss_id`` (e.g. to unscale an autograd.grad gradient penalty)."""
+    session = _session("loss_scale")
+    return session.scaler(loss_id).scale if session.enabled else 1.0
+
+
+def state_dict():
+    """Every scaler's state: ``{"loss_scaler0": {...}, ...}`` (Apex's keys plus amp_patch's extras)."""
+    session = _session("state_dict")
+    return state_dict_for(session.scalers) if session.enabled else {}
+
+
+def load_state_dict(state):
+    """Restore the scalers from ``state_dict()`` output (Apex checkpoints load too)."""
+    session = _session("load_state_dict")
+    if session.enabled:
+        load_state_dict_into(session.scalers, state)
+
+
+def last_overflow():
+    """The record of the last overflow seen with ``diagnose_overflow=True`` (None if none yet)."""
+    return _session("last_overflow").last_overflow
+
+
+def history():
+    """Per-step records (loss id, scale before/after, skipped, overflow record), oldest first."""
+    session = _session("history")
+    return list(session.history.records) if session.history is not None else []

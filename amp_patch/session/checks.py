@@ -1,0 +1,146 @@
+"""The checks ``initialize`` runs before it changes anything (moved out of frontend.py unchanged): every argument
+is validated here first, so a ConfigError or UsageError leaves the models, optimizers and torch as they were."""
+import torch
+
+from ..casting.wrappers import HALF_DTYPES
+from ..config.oplist import load_op_lists
+from ..errors import ConfigError, UsageError
+from ..parallel import ddp as distributed
+from ..scaling.scaler import LossScaler
+from . import state as _state
+
+_WRAPPERS = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+
+
+def _check_not_initialized():
+    if _state.current() is not None:
+        raise UsageError("amp_patch.initialize() was already called; call amp_patch.deinitialize() before "
+                         "initializing again (initialize once, with every model and optimizer)")
+    if _state.active_engine() is not None:
+        raise UsageError("amp_patch.initialize() inside an open amp_patch.autocast() region; initialize first "
+                         "(an O1 session makes autocast() regions no-ops) or close the region")
+
+
+
+def _check_enabled(enabled):
+    """A string is always true: ``initialize(model, opt, "O2")`` would silently run O1."""
+    if isinstance(enabled, str):
+        raise ConfigError(f"enabled={enabled!r}; allowed: True or False. The third positional argument is "
+                          f"'enabled'; pass the opt level by name: initialize(model, optimizer, opt_level={enabled!r})")
+
+
+
+def _check_optimizers_train_models(props, models, optimizers):
+    """O2/O3 cast the models passed: an optimizer over none of their params would train other weights."""
+    if props.cast_model_type not in (torch.float16, torch.bfloat16):
+        return
+    model_params = {id(p) for m in models for p in m.parameters()}
+    for opt in optimizers:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if params and not any(id(p) in model_params for p in params):
+            raise ConfigError(f"{type(opt).__name__} optimizer holds {len(params)} param(s), none of which belong "
+                              f"to the model(s) passed to initialize(opt_level={props.opt_level!r}); it would "
+                              "train weights the half model never uses. Build it over model.parameters() of the "
+                              "model you pass, or pass that model too: initialize([model1, model2], optimizer)")
+
+
+
+def _held(opt):
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def check_no_shared_params(props, optimizers, models, attached=()):
+    """Under master weights each optimizer keeps its own fp32 master of each param it holds: two optimizers over
+    one param would train two masters, and each step() would copy its own into the param (wrong numbers).
+    ``attached``: (optimizer, the params it holds: model params and their masters) of a running session."""
+    if not props.master_weights:
+        return
+    names = {id(p): n for m in models for n, p in m.named_parameters()}
+    owner = {}
+    for opt, params in [*attached, *((opt, _held(opt)) for opt in optimizers)]:
+        for p in params:
+            first = owner.setdefault(id(p), opt)
+            if first is not opt:
+                name = names.get(id(p), f"of shape {tuple(p.shape)}")
+                raise ConfigError(
+                    f"two optimizers ({type(first).__name__} and {type(opt).__name__}) hold the same param "
+                    f"{name!r} under master weights (opt_level={props.opt_level!r}): each would keep its own fp32 "
+                    "master of it and the half param would get only the last step()'s update. Give each param to "
+                    "one optimizer, or use one optimizer with param groups (e.g. SGD([{'params': a}, "
+                    "{'params': b, 'lr': 1e-3}]))")
+
+
+def _as_list(objs, what, kind):
+    if objs is None:
+        return []
+    items = list(objs) if isinstance(objs, (list, tuple)) else [objs]
+    for obj in items:
+        if not isinstance(obj, kind):
+            raise ConfigError(f"{what} must be a {kind.__module__}.{kind.__qualname__} or a list of them; got "
+                              f"{type(obj).__name__}")
+    if len({id(o) for o in items}) != len(items):
+        raise ConfigError(f"the same object appears twice in {what}; pass each once")
+    return items
+
+
+
+def _pack(models, optimizers):
+    return models if optimizers is None else (models, optimizers)
+
+
+
+def _check_models(models):
+    for model in models:
+        if isinstance(model, _WRAPPERS):
+            raise UsageError(f"the model is already wrapped in {type(model).__name__}; call amp_patch.initialize() "
+                             f"on the bare model first, then wrap it: model = {type(model).__name__}(model, ...)")
+
+
+
+def _check_incoming_fp32(models, allow):
+    """Apex refused a model that arrives in half: its weights would have no fp32 values to train from."""
+    if allow or _state.allow_incoming_model_not_fp32():
+        return
+    for model in models:
+        if distributed._is_sharded(model):
+            continue  # FSDP2: the policy's dtypes are checked after resolve (check_fsdp_at_initialize)
+        named = [("parameter", n, t) for n, t in model.named_parameters()]
+        named += [("buffer", n, t) for n, t in model.named_buffers()]
+        for kind, name, tensor in named:
+            if tensor is not None and tensor.dtype in HALF_DTYPES:
+                raise UsageError(
+                    f"{kind} {name!r} of the {type(model).__name__} passed to initialize is {tensor.dtype}; expected "
+                    "torch.float32. Do not call .half() (or .to(torch.float16/bfloat16)) on the model before "
+                    "initialize, whatever the opt level: O2/O3 cast it themselves and O2 keeps fp32 master weights. "
+                    "Pass the fp32 model; if a half model is intended, pass allow_incoming_model_not_fp32=True "
+                    "(Apex scripts: apex.amp._amp_state.allow_incoming_model_not_fp32 = True)")
+
+
+
+def _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor, backoff_factor,
+                  growth_interval, hysteresis):
+    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
+        raise ConfigError(f"num_losses={num_losses!r}; pass the number of losses you scale, a positive integer")
+    return [LossScaler(props.loss_scale, loss_id=i, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
+                       growth_factor=growth_factor, backoff_factor=backoff_factor,
+                       growth_interval=growth_interval, hysteresis=hysteresis) for i in range(num_losses)]
+
+
+
+def _load_table(props, op_lists):
+    """The op table of an O1 session (None at other levels), loaded and validated before anything is patched."""
+    if not props.patch_torch_functions:
+        if op_lists is not None:
+            raise ConfigError(f"op_lists only apply when torch functions are patched (opt_level='O1'); "
+                              f"opt_level={props.opt_level!r} does not patch. Drop op_lists or use O1.")
+        return None
+    return load_op_lists(op_lists)
+
+
+
+def _check_the_rest(props, history_size, op_lists):
+    """The last checks before initialize changes anything; returns the op table."""
+    if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
+        raise ConfigError(f"history_size={history_size!r}; pass a positive number of steps to keep")
+    return _load_table(props, op_lists)
+

@@ -1,0 +1,75 @@
+"""Hooks for training frameworks that own the loop (Lightning's Trainer and Fabric, see amp_patch.integrations.lightning).
+
+Such a framework wraps the model in DDP *before* it builds the optimizers, while
+amp_patch must cast the model before DDP wraps it. So the integration calls
+``initialize(model)`` without optimizers first (under master weights the session
+then keeps the fp32 values of the params it cast) and ``attach_optimizers`` once the
+optimizers exist. Fabric only shows the plugin an optimizer at its first step or
+clip, after the first backward: ``unscale_loss_id`` hands over the gradients that
+backward left scaled.
+"""
+import torch
+
+from ..errors import UsageError
+from ..parallel import ddp as distributed
+from ..scaling.protocol import _finish_step, _quiet, current_session
+from .api import _as_list, _attach_optimizers, _link_masters
+from .checks import _held, check_no_shared_params
+
+
+def attach_optimizers(optimizers, *, unscale_loss_id=None):
+    """Add optimizers to the session of an earlier ``initialize(models)``; returns them unchanged.
+
+    Under master weights a half param gets an fp32 master holding the exact value it had before
+    ``initialize`` cast it (on the param's current device) when ``initialize`` got no optimizers; otherwise
+    (an optimizer added to a full session) its master starts from the half value. ``unscale_loss_id``: the grads now in these
+    optimizers' params come from a backward of ``loss * loss_scale(unscale_loss_id)`` run outside
+    ``scale_loss``; they are unscaled and checked now, as a ``scale_loss`` exit would (an overflow skips the
+    next ``step()``).
+    """
+    session = current_session("attach_optimizers")
+    opt_list = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
+    if not session.enabled:
+        return optimizers
+    for opt in opt_list:
+        if id(opt) in session.opt_states:
+            raise UsageError(f"this {type(opt).__name__} optimizer is already attached to the amp_patch session; "
+                             "attach each optimizer once (initialize(model, opt) or attach_optimizers(opt))")
+    attached = [(state.optimizer, [p for pair in state.pairs for p in pair] + _held(state.optimizer))
+                for state in session.opt_states.values()]
+    check_no_shared_params(session.props, opt_list, session.models, attached)
+    _follow_devices(session.fp32_data, opt_list)
+    _attach_optimizers(session, opt_list, session.fp32_data)
+    states = [session.state_for(opt) for opt in opt_list]
+    for state in states:
+        state.engine = session.engine
+    _link_masters(session)
+    if unscale_loss_id is not None:
+        _unscale_now(session, states, unscale_loss_id)
+    return optimizers
+
+
+def _follow_devices(fp32_data, optimizers):
+    """The model may have moved to its device since initialize kept the fp32 values: move them along."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                data = fp32_data.get(id(p))
+                if data is not None and data.device != p.device:
+                    fp32_data[id(p)] = data.to(p.device)
+
+
+def _unscale_now(session, states, loss_id):
+    scaler = session.scaler(loss_id)
+    with _quiet(session):
+        found_inf = False
+        for state in states:
+            state.pending_scaler = scaler
+            found_inf |= state.after_backward(scaler, False)
+        _finish_step(session, scaler, loss_id, states, distributed.agree_overflow(found_inf))
+
+
+def next_step_skipped(optimizer):
+    """True when ``optimizer``'s next ``step()`` will be skipped (an overflow was found since its last step)."""
+    session = current_session("next_step_skipped")
+    return session.enabled and session.state_for(optimizer).skip_next

@@ -1,0 +1,204 @@
+"""``compare`` (one job, Python API) and ``run_experiment`` (several jobs, what the CLI calls)."""
+import logging
+import math
+import pickle
+import sys
+
+import torch
+
+from ...casting.wrappers import parse_half_dtype
+from ...errors import ConfigError, ExperimentInterrupted, UsageError
+from ...session import state as _state
+from .isolation import IsolatedRun
+from .models import Job, as_job, load_job
+from .plot import write_png
+from .report import Progress, markdown, summarize, write_json
+from .runner import Config, VariantRun, job_from_ref, mark_interrupted
+from .variants import VARIANTS, parse_variants
+from .verdict import LOSS_TOLERANCE
+
+log = logging.getLogger("amp_patch")
+
+
+def compare(model_fn, optimizer_fn, data_fn, loss_fn, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat16,
+            device="cpu", seed=0, out_dir=None, isolate=True, batch_size=32, name="job", progress=True,
+            threads=None, rounds=5, timeout_s=600.0, loss_tolerance=LOSS_TOLERANCE):
+    """Train the same job under each variant (fp32/O0, O1, O2, O3, native autocast) and report.
+
+    Each variant runs in its own spawned process (``isolate=True``; the four callables must then be
+    importable module-level functions) or, with ``isolate=False``, one after the other in this process.
+    See :mod:`amp_patch.tools.experiment.models` for the callables' signatures. Returns the report dict (what
+    the JSON file holds for this job); with ``out_dir`` also writes ``experiment.json`` and, when
+    matplotlib is installed, ``experiment.png`` there. ``threads`` sets ``torch.set_num_threads`` for each
+    run (e.g. 1 for steadier CPU timings on a busy machine); None keeps torch's default. The timed steps are
+    split into ``rounds`` rounds; with ``isolate=True`` each round runs every variant in turn (interleaved),
+    and a variant process working longer than ``timeout_s`` seconds in all is killed and reported as
+    ``timeout`` (None: no limit). ``loss_tolerance``: the verdict's bound on a variant's loss gap to fp32,
+    relative to fp32's loss (:mod:`amp_patch.tools.experiment.verdict`). Ctrl-C raises
+    :class:`~amp_patch.errors.ExperimentInterrupted`, whose ``reports`` hold the finished rounds (also written
+    to ``out_dir``, marked ``partial``).
+    """
+    job = as_job(Job(model_fn, optimizer_fn, data_fn, loss_fn, batch_size=batch_size, name=name))
+    return run_experiment([job], variants=variants, steps=steps, half_dtype=half_dtype, device=device, seed=seed,
+                          out_dir=out_dir, isolate=isolate, progress=progress, threads=threads, rounds=rounds,
+                          timeout_s=timeout_s, loss_tolerance=loss_tolerance)[0]
+
+
+def run_experiment(jobs, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat16, device="cpu", seed=0,
+                   out_dir=None, isolate=True, progress=True, threads=None, rounds=5, timeout_s=600.0,
+                   loss_tolerance=LOSS_TOLERANCE):
+    """Run every job (a :class:`Job` or a ``module:function`` string) under every variant; a list of reports.
+    The keywords are :func:`compare`'s."""
+    config = make_config(steps, half_dtype, device, seed, threads, rounds, timeout_s)
+    variants = parse_variants(variants)
+    _check_tolerance(loss_tolerance)
+    refs = [_check_ref(ref, isolate) for ref in jobs]
+    if not isolate and _state.current() is not None:
+        raise UsageError("an amp_patch session is active; call amp_patch.deinitialize() before running an "
+                         "in-process experiment (or pass isolate=True)")
+    bar = Progress(len(refs) * len(variants), config.steps, enabled=progress)
+    bar.announce(_starting_line(refs, variants, config, isolate))
+    reports = []
+    try:
+        for ref in refs:
+            reports.append(_run_job(ref, variants, config, isolate, bar, loss_tolerance))
+    except KeyboardInterrupt as stop:  # (ExperimentInterrupted from _run_job: its partial report)
+        reports += getattr(stop, "reports", [])
+        _write(reports, out_dir, partial=True)
+        raise ExperimentInterrupted(reports) from None
+    finally:
+        bar.close()
+    _write(reports, out_dir, partial=False)
+    return reports
+
+
+def _write(reports, out_dir, partial):
+    if out_dir is not None:
+        write_json(reports, out_dir, partial=partial)
+        write_png(reports, out_dir)
+
+
+def _starting_line(refs, variants, config, isolate):
+    where = "in separate processes" if isolate else "in this process"
+    jobs = f" x {len(refs)} jobs" if len(refs) > 1 else ""
+    return (f"starting {len(variants)} variant{'s' if len(variants) != 1 else ''}{jobs} {where} "
+            f"({config.steps} steps, {str(config.half_dtype).replace('torch.', '')}, {config.device})...")
+
+
+def _check_tolerance(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ConfigError(f"loss_tolerance={value!r}; pass a number >= 0 (0.05: a loss within 5% of fp32's)")
+
+
+def make_config(steps, half_dtype, device, seed, threads=None, rounds=5, timeout_s=600.0):
+    _check_positive("steps", steps)
+    _check_positive("rounds", rounds)
+    if threads is not None:
+        _check_positive("threads", threads)
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not timeout_s > 0):
+        raise ConfigError(f"timeout_s={timeout_s!r}; pass a positive number of seconds, or None for no limit")
+    half_dtype = parse_half_dtype(half_dtype)
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device={device!r}; allowed: 'cpu', 'cuda' ({exc})") from None
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device!r}; allowed: 'cpu', 'cuda'")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r}, but torch.cuda.is_available() is False on this machine "
+                          f"(torch {torch.__version__}); use device='cpu'")
+    return Config(steps=steps, half_dtype=half_dtype, device=str(device), seed=int(seed), threads=threads,
+                  rounds=rounds, timeout_s=None if timeout_s is None else float(timeout_s))
+
+
+def _check_positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r}; pass a positive integer")
+
+
+def _check_ref(ref, isolate):
+    if isinstance(ref, str):
+        return ref
+    job = as_job(ref)
+    if isolate:
+        _check_not_interactive_main(job)
+        try:
+            pickle.dumps(job)
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            raise ConfigError(f"job {job.name!r} cannot be sent to a variant process ({exc}); with isolate=True "
+                              "model_fn, optimizer_fn, data_fn and loss_fn must be importable module-level "
+                              "functions (no lambdas or closures). Pass isolate=False to run in-process.") from None
+    return job
+
+
+def _check_not_interactive_main(job):
+    main = sys.modules.get("__main__")
+    if getattr(main, "__file__", None):
+        return  # a script: spawned processes re-import it
+    for field in ("model_fn", "optimizer_fn", "data_fn", "loss_fn"):
+        if getattr(getattr(job, field), "__module__", None) == "__main__":
+            raise ConfigError(f"{field} is defined in an interactive session or 'python -c', which a spawned "
+                              "variant process cannot import; put the job in a module (or a script file), "
+                              "or pass isolate=False")
+
+
+def _job_name(ref):
+    return ref.name if isinstance(ref, Job) else load_job(ref).name  # the job's own name, if it gives one
+
+
+def _run_job(ref, variants, config, isolate, bar, loss_tolerance=LOSS_TOLERANCE):
+    """Every variant of one job: set up, then the timed rounds (interleaved when isolated), then close."""
+    name = _job_name(ref)
+
+    def on_step(label):
+        return lambda done: bar.step(done, label)
+
+    if isolate:
+        runs = {v: IsolatedRun(ref, v, config, on_step=on_step(f"{name} {v}")) for v in variants}
+        order = [list(runs.items())]  # one schedule for all: round i of every variant, then round i + 1
+    else:  # one amp_patch session at a time in this process: each variant's rounds back to back
+        runs = {v: VariantRun(job_from_ref(ref), v, config, on_step=on_step(f"{name} {v}")) for v in variants}
+        order = [[item] for item in runs.items()]
+    results = {}
+    try:
+        for group in order:
+            results.update(_run_group(group, name, config, bar))
+    except KeyboardInterrupt:  # Ctrl-C: end every variant, keep their finished rounds
+        results.update({v: results.get(v) or _interrupted(run, config) for v, run in runs.items()})
+        report = summarize(name, config, {v: results[v] for v in variants}, isolate, loss_tolerance)
+        report["partial"] = True
+        raise ExperimentInterrupted([report]) from None
+    return summarize(name, config, {v: results[v] for v in variants}, isolate, loss_tolerance)
+
+
+def _interrupted(run, config):
+    """The run's result so far, marked interrupted if it had rounds left (an in-process run is closed: its
+    session undone)."""
+    if isinstance(run, IsolatedRun):
+        return run.interrupt()
+    return mark_interrupted(run.close() if run.active or run.runner is not None else run.result, config)
+
+
+def _run_group(group, name, config, bar):
+    for variant, run in group:
+        bar.start(f"{name} {variant}")
+        run.setup()
+    sizes = config.round_sizes()
+    for number, size in enumerate(sizes, 1):
+        for variant, run in group:
+            bar.start(f"{name} {variant}")
+            run.run_round(size)
+        bar.note(f"{name} {'/'.join(v for v, _ in group)}: round {number}/{len(sizes)}")
+    results = {}
+    for variant, run in group:
+        result = results[variant] = run.close()
+        bar.end_run(result["status"], f"{name} {variant}")
+        if result["status"] != "ok":
+            log.info("experiment: %s %s %s: %s", name, variant, result["status"], result["error"])
+    return results
+
+
+def format_reports(reports):
+    """The markdown the CLI prints: one section per job."""
+    return "\n\n".join(markdown(r) for r in reports)

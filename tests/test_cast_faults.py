@@ -6,7 +6,6 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from tests_support import CountCasts
 
 import amp_patch
 

@@ -34,7 +34,6 @@ import importlib.util
 import io
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 from test_doc_snippets import BLOCKS, ROOT

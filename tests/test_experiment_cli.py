@@ -15,7 +15,7 @@ import torch
 import amp_patch
 from amp_patch.tools import cli
 from amp_patch.tools.experiment import plot
-from amp_patch.tools.experiment.report import Progress, markdown, summarize
+from amp_patch.tools.experiment.report import Progress, summarize
 from amp_patch.tools.experiment.runner import Config, new_result
 from amp_patch.tools.experiment.verdict import verdict
 

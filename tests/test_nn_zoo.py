@@ -7,7 +7,6 @@ cast to fp32; O1: half where the module's last op is on the half list, fp32 othe
 ends in a float-list layer_norm). Prints the coverage figure (module runs over all six configurations) and fails
 below 95% or on any failure not in EXPECTED_FAILURES (listed in docs/coverage.md with the reason).
 """
-import math
 
 import _nn_zoo as zoo_specs
 import pytest

@@ -50,8 +50,6 @@ def test_declared_floors_are_what_the_tests_run():
     README flow installs (constraints.txt) lies inside that range."""
     import sys
 
-    import torch
-
     from amp_patch._torch import compat as torch_compat
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")

@@ -3,12 +3,11 @@ import threading
 
 import torch
 
+from ..config.dtypes import FP32, HALF_DTYPES
 from .switch import live_while_tracing
 
 Tensor = torch.Tensor
 Parameter = torch.nn.Parameter
-FP32 = torch.float32
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 # ``t.half()`` / ``t.bfloat16()`` parse no arguments: measurably cheaper per call than ``t.to(dtype=...)``
 _HALF_METHOD = {torch.float16: Tensor.half, torch.bfloat16: Tensor.bfloat16}
 

@@ -25,8 +25,12 @@ _compiling = torch.compiler.is_compiling
 class CastingEngine:
     """Installs the wrappers for an :class:`~amp_patch.config.oplist.OpTable` plus user registrations."""
 
-    def __init__(self, table, *, half_dtype=torch.float16, allow_banned=False, registrations=()):
+    def __init__(self, table, *, half_dtype=torch.float16, allow_banned=False, registrations=(), activation=None):
         self.table = table
+        # what the engine may ask of activation (the live engine, a temporary region), injected by the session
+        # layer (amp_patch.session.state.ACTIVATION); None: a checkpoint recompute after this engine's region
+        # closed runs uncast
+        self.activation = activation
         self.half_dtype = half_dtype
         self.allow_banned = allow_banned
         self.registrations = tuple(registrations)

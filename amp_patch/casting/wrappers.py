@@ -3,8 +3,8 @@
 The hot path is built once per patch when the op list is applied: each wrapper
 is a plain Python closure (dynamo traces those; it silently skips
 ``wrapt.FunctionWrapper``) with its caster bound as a local. Per call it does
-one thread-local read, one ``type()`` test per argument and a dtype test per
-tensor; the fp32 -> half cast of a weight is served from the cast cache.
+one ``type()`` test per argument and a dtype test per tensor (the per-thread
+switch is a truth test of a dict that is empty unless a ``disable_casts()`` region is open); the fp32 -> half cast of a weight is served from the cast cache.
 """
 import copy
 import functools
@@ -12,27 +12,11 @@ import threading
 
 import torch
 
-from ..errors import BannedOpError, CastError, ConfigError
-from .cache import FP32, HALF_DTYPES, CastCache, Tensor, make_to_half  # noqa: F401 - defined once, in the module wrappers import  # noqa: F401 - the cast cache and its caster (re-exported)
+from ..config.dtypes import FLOAT_DTYPES, HALF_DTYPES
+from ..errors import BannedOpError, CastError
+from .cache import CastCache, Tensor, make_to_half  # noqa: F401 - the cast cache and its caster (re-exported)
 from .switch import DisabledThreads  # noqa: F401 - the engine's per-thread switch (re-exported)
 
-# what Lightning (precision="16-mixed"), Accelerate (mixed_precision="fp16") and torch users type for a half dtype
-HALF_DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "16": torch.float16,
-                    "16-mixed": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                    "bf16-mixed": torch.bfloat16}
-
-
-def parse_half_dtype(value, name="half_dtype"):
-    """``torch.float16`` or ``torch.bfloat16`` from a dtype or one of :data:`HALF_DTYPE_NAMES` (also with a
-    ``torch.`` prefix, any case, or the int 16); a :class:`~amp_patch.errors.ConfigError` for anything else."""
-    if value in HALF_DTYPES:
-        return value
-    key = str(value).strip().lower().removeprefix("torch.") if isinstance(value, (str, int)) else None
-    if key in HALF_DTYPE_NAMES and not isinstance(value, bool):
-        return HALF_DTYPE_NAMES[key]
-    raise ConfigError(f"{name}={value!r}; allowed: torch.float16, torch.bfloat16 (or by name: 'float16', 'fp16', "
-                      "'half', '16', '16-mixed'; 'bfloat16', 'bf16', 'bf16-mixed')")
-FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 _TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _PLAIN_TYPES = frozenset((int, float, bool, complex, str, bytes, type(None), slice, type(Ellipsis), torch.dtype,
                           torch.device, torch.Size, torch.layout, torch.memory_format))

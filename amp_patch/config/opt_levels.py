@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from ..casting.wrappers import HALF_DTYPES, parse_half_dtype
+from ..config.dtypes import HALF_DTYPES, parse_half_dtype
 from ..errors import ConfigError
 from ..scaling.scaler import parse_loss_scale as _parse_static_or_dynamic
 

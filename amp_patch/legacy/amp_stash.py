@@ -11,6 +11,7 @@ without a master); ``lazy_init_called`` / ``already_patched`` can be set (accept
 import torch
 
 from ..errors import UsageError
+from ..patching.patcher import Patcher
 from .unsupported import ApexAttributeError, attribute_error
 
 _SETTABLE = ("lazy_init_called", "already_patched")
@@ -61,13 +62,8 @@ def install(session):
     """Give ``torch.optim.Optimizer`` the two names while ``session`` is open; the undo goes on ``session.undo``."""
     added = {"_amp_stash": property(lambda self: AmpStashView(_state_of(session, self))),
              "_lazy_init_maybe_master_weights": lambda self: _state_of(session, self) and None}
-    added = {name: value for name, value in added.items() if name not in vars(torch.optim.Optimizer)}
+    patcher = Patcher()
+    session.undo.append(patcher.restore_all)  # first: an interrupt right after an add leaves nothing behind
     for name, value in added.items():
-        setattr(torch.optim.Optimizer, name, value)
-
-    def remove():
-        for name, value in added.items():
-            if vars(torch.optim.Optimizer).get(name) is value:
-                delattr(torch.optim.Optimizer, name)
-
-    session.undo.append(remove)
+        if name not in vars(torch.optim.Optimizer):  # (a stacked session's are there already)
+            patcher.add(torch.optim.Optimizer, name, value)

@@ -24,9 +24,9 @@ from ..session.user_functions import (
     register_half_function,
     register_promote_function,
 )
-from . import amp_lists as lists
+from . import amp_lists as lists  # noqa: F401 - apex.amp.lists (not star-imported, as in Apex)
 from . import stacking
-from .amp_state import AMP_STATE as _amp_state
+from .amp_state import AMP_STATE as _amp_state  # noqa: F401 - apex.amp._amp_state
 from .amp_state import master_params
 from .handle import init
 from .unsupported import attribute_error

@@ -15,7 +15,8 @@ import torch
 from torch.nn.modules import module as _module_mod
 
 from ..casting.interop.modules import forward_hook, forward_pre_hook
-from ..casting.wrappers import FLOAT_DTYPES, HALF_DTYPES, cast_tree
+from ..casting.wrappers import cast_tree
+from ..config.dtypes import FLOAT_DTYPES, HALF_DTYPES
 from ..errors import UsageError
 
 _BATCHNORM = (torch.nn.modules.batchnorm._BatchNorm,)

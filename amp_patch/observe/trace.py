@@ -14,7 +14,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..casting.cache import make_to_half
-from ..casting.wrappers import HALF_DTYPES, iter_tensors, make_wrapper
+from ..casting.wrappers import iter_tensors, make_wrapper
+from ..config.dtypes import HALF_DTYPES
 from ..errors import UsageError
 from ..session import state as _state
 

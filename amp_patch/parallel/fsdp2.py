@@ -14,7 +14,7 @@ import logging
 import torch
 
 from .._torch.compat import TESTED
-from ..casting.wrappers import HALF_DTYPES
+from ..config.dtypes import HALF_DTYPES
 from ..config.opt_levels import resolve
 from ..errors import ConfigError, TorchVersionError, UsageError
 

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 
 from ..errors import PatchError
+from . import registry
 
 log = logging.getLogger("amp_patch")
 _MISSING = object()
@@ -64,23 +65,36 @@ class Patcher:
     def patches(self):
         return tuple(self._patches)
 
+    def sites(self):
+        """The patched sites, oldest first, as ``"module.attribute"`` names."""
+        return [f"{qualname(patch.target)}.{patch.name}" for patch in self._patches]
+
     def install(self, target, name, make_replacement):
         """Replace ``target.name`` by ``make_replacement(original)``; returns the replacement."""
         site = (id(target), name)
         if site in self._sites:
-            raise PatchError(f"{_qualname(target)}.{name} is already patched by this session")
+            raise PatchError(f"{qualname(target)}.{name} is already patched by this session")
         raw, original = find_site(target, name)
         if original is _MISSING:
-            raise PatchError(f"{_qualname(target)}.{name} does not exist; nothing to patch")
-        replacement = make_replacement(original)
-        self._patches.append(Patch(target, name, raw, raw is not _MISSING, original, replacement))
-        self._sites.add(site)  # recorded first: an interrupt right after setattr leaves nothing unrecorded
+            raise PatchError(f"{qualname(target)}.{name} does not exist; nothing to patch")
+        return self._apply(Patch(target, name, raw, raw is not _MISSING, original, make_replacement(original)))
+
+    def add(self, target, name, value):
+        """Give ``target`` an attribute ``name`` it does not have (own or inherited); undone by deleting it."""
+        if (id(target), name) in self._sites or find_site(target, name)[1] is not _MISSING:
+            raise PatchError(f"{qualname(target)}.{name} already exists; nothing to add")
+        return self._apply(Patch(target, name, _MISSING, False, _MISSING, value))
+
+    def _apply(self, patch):
+        self._patches.append(patch)
+        self._sites.add((id(patch.target), patch.name))  # recorded first: an interrupt right after setattr
+        registry.register(self)  # leaves nothing unrecorded
         try:
-            setattr(target, name, replacement)
+            setattr(patch.target, patch.name, patch.replacement)
         except BaseException:
             self.restore_all()
             raise
-        return replacement
+        return patch.replacement
 
     def restore_all(self):
         """Undo every patch, newest first. Returns the number restored.
@@ -98,10 +112,12 @@ class Patcher:
             else:
                 self._sites.discard((id(patch.target), patch.name))
                 if not restored:
-                    failures.append(f"{_qualname(patch.target)}.{patch.name}")
+                    failures.append(f"{qualname(patch.target)}.{patch.name}")
                 count += 1
             self._patches.pop()
         self._patches = kept[::-1]
+        if not self._patches:
+            registry.forget(self)
         if first is not None:
             raise first
         if failures:
@@ -123,7 +139,8 @@ class Patcher:
         return True
 
 
-def _qualname(target):
+def qualname(target):
+    """``module.Class`` for a class, the module's name for a module."""
     if isinstance(target, type):
         return f"{target.__module__}.{target.__qualname__}"
     return getattr(target, "__name__", repr(target))

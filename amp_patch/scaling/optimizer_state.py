@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from ..casting.wrappers import HALF_DTYPES
+from ..config.dtypes import HALF_DTYPES
 from ..errors import UsageError
 from ..model.transform import carry_edits
 from ..parallel import ddp as distributed

@@ -11,15 +11,6 @@ from ..parallel import ddp as distributed
 from ..session import state as _state
 
 
-def current_session(api):
-    """The active session, or a UsageError naming ``api`` and the call that must come first."""
-    session = _state.current()
-    if session is None:
-        raise UsageError(f"amp_patch.{api}() was called before amp_patch.initialize(); call "
-                         "model, optimizer = amp_patch.initialize(model, optimizer, opt_level=...) first")
-    return session
-
-
 def _optimizer_list(optimizers):
     items = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     if not items:
@@ -66,7 +57,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
     ``delay_overflow_check`` is accepted for Apex compatibility and ignored. An exception inside the block
     leaves the grads scaled and pending; ``optimizer.zero_grad()`` then forgets them (docs/usage.md).
     """
-    session = current_session("scale_loss")
+    session = _state.current_session("scale_loss")
     if not session.enabled:
         yield loss
         return

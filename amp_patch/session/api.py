@@ -16,7 +16,6 @@ from ..patching import early_bound
 from ..patching.patcher import Patcher
 from ..scaling.optimizer_state import OptimizerState
 from ..scaling.protocol import check_idle_elsewhere
-from ..scaling.protocol import current_session as _session
 from ..scaling.remainder import make_storage
 from ..scaling.scaler import load_state_dict_into, state_dict_for
 from . import state as _state
@@ -216,7 +215,7 @@ def _install_casting(session, table, allow_banned):
                  "y" if len(table.skipped) == 1 else "ies", torch.__version__,
                  "; ".join(f"{s.entry.qualname} ({s.entry.path}:{s.entry.line}: {s.reason})" for s in table.skipped))
     session.engine = CastingEngine(table, half_dtype=props.half_dtype, allow_banned=allow_banned,
-                                   registrations=REGISTRY.take())
+                                   registrations=REGISTRY.take(), activation=_state.ACTIVATION)
     session.undo.append(session.engine.uninstall)
     session.engine.install()
     session.undo.append(module_compat.relax_rnn_input_check(session.engine))
@@ -321,7 +320,7 @@ def clear_cache():
 
 def master_params(optimizer):
     """The params ``optimizer`` updates (fp32 masters under O2, else the model's own: half under O3); clip these."""
-    session = _session("master_params")
+    session = _state.current_session("master_params")
     if not session.enabled:
         return iter([p for g in optimizer.param_groups for p in g["params"]])
     return session.state_for(optimizer).master_params()
@@ -329,35 +328,35 @@ def master_params(optimizer):
 
 def last_step_skipped(optimizer):
     """True when the optimizer's last ``step()`` was skipped because of an overflow."""
-    session = _session("last_step_skipped")
+    session = _state.current_session("last_step_skipped")
     return session.state_for(optimizer).last_skipped if session.enabled else False
 
 
 def loss_scale(loss_id=0):
     """The current loss scale of ``loss_id`` (e.g. to unscale an autograd.grad gradient penalty)."""
-    session = _session("loss_scale")
+    session = _state.current_session("loss_scale")
     return session.scaler(loss_id).scale if session.enabled else 1.0
 
 
 def state_dict():
     """Every scaler's state: ``{"loss_scaler0": {...}, ...}`` (Apex's keys plus amp_patch's extras)."""
-    session = _session("state_dict")
+    session = _state.current_session("state_dict")
     return state_dict_for(session.scalers) if session.enabled else {}
 
 
 def load_state_dict(state):
     """Restore the scalers from ``state_dict()`` output (Apex checkpoints load too)."""
-    session = _session("load_state_dict")
+    session = _state.current_session("load_state_dict")
     if session.enabled:
         load_state_dict_into(session.scalers, state)
 
 
 def last_overflow():
     """The record of the last overflow seen with ``diagnose_overflow=True`` (None if none yet)."""
-    return _session("last_overflow").last_overflow
+    return _state.current_session("last_overflow").last_overflow
 
 
 def history():
     """Per-step records (loss id, scale before/after, skipped, overflow record), oldest first."""
-    session = _session("history")
+    session = _state.current_session("history")
     return list(session.history.records) if session.history is not None else []

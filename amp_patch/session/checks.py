@@ -2,7 +2,7 @@
 is validated here first, so a ConfigError or UsageError leaves the models, optimizers and torch as they were."""
 import torch
 
-from ..casting.wrappers import HALF_DTYPES
+from ..config.dtypes import HALF_DTYPES
 from ..config.oplist import load_op_lists
 from ..errors import ConfigError, UsageError
 from ..parallel import ddp as distributed

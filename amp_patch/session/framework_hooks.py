@@ -12,9 +12,10 @@ import torch
 
 from ..errors import UsageError
 from ..parallel import ddp as distributed
-from ..scaling.protocol import _finish_step, _quiet, current_session
+from ..scaling.protocol import _finish_step, _quiet
 from .api import _as_list, _attach_optimizers, _link_masters
 from .checks import _held, check_no_shared_params
+from .state import current_session
 
 
 def attach_optimizers(optimizers, *, unscale_loss_id=None):

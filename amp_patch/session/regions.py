@@ -21,8 +21,6 @@ from ..config.oplist import load_op_lists
 from ..errors import ConfigError, UsageError
 from . import state as _state
 
-_lock = threading.Lock()
-
 
 @functools.lru_cache(maxsize=16)
 def _shipped_table(name):
@@ -93,18 +91,19 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         from .user_functions import REGISTRY
 
         engine = CastingEngine(_table_for(self.op_lists), half_dtype=self.half_dtype,
-                               allow_banned=self.allow_banned, registrations=REGISTRY.take())
+                               allow_banned=self.allow_banned, registrations=REGISTRY.take(),
+                               activation=_state.ACTIVATION)
         if engine.scopes is not None:  # (warnings shows it once per call site)
             warnings.warn("amp_patch.autocast(): the op list's scopes: section has no effect in an autocast() "
                           "region (it knows no model); pass the op list to amp_patch.initialize(model, ...) to "
                           "use scopes", UserWarning, stacklevel=3)
-        with _lock:
+        with _state.lock:
             engine.install()
             _state.set_region_engine(engine)  # an O0/O2/O3 session (no engine of its own) stays the active one
         engine.enter_region()
 
         def close():
-            with _lock:
+            with _state.lock:
                 _state.set_region_engine(None)
                 engine.uninstall()
 
@@ -136,20 +135,3 @@ def _pick_dtype(dtype, half_dtype):
         raise ConfigError(f"dtype={dtype} and half_dtype={half_dtype} disagree; they are the same setting (torch's "
                           "name and amp_patch's): pass one")
     return dtype if dtype is not None else half_dtype
-
-
-@contextlib.contextmanager
-def reopened(engine):
-    """A temporary region with ``engine``'s op table and dtype, while no other engine is active (checkpoint
-    recomputation during a backward that runs after its forward's region closed)."""
-    fresh = CastingEngine(engine.table, half_dtype=engine.half_dtype, allow_banned=engine.allow_banned,
-                          registrations=engine.registrations)
-    with _lock:
-        fresh.install()
-        _state.set_region_engine(fresh)
-    try:
-        yield fresh
-    finally:
-        with _lock:
-            _state.set_region_engine(None)
-            fresh.uninstall()

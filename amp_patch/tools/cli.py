@@ -63,17 +63,17 @@ def job_raised(command, exc, args):
 
 
 class _HalfDtype(argparse.Action):
-    """``--half-dtype``: any of casting.wrappers.HALF_DTYPE_NAMES, stored as the canonical name; what the user
+    """``--half-dtype``: any of config.dtypes.HALF_DTYPE_NAMES, stored as the canonical name; what the user
     typed is kept in ``half_dtype_given`` (see :func:`echo_half_dtype`)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from ..casting.wrappers import parse_half_dtype
+        from ..config.dtypes import dtype_name, parse_half_dtype
         from ..errors import ConfigError
         try:
             dtype = parse_half_dtype(values, option_string)
         except ConfigError as exc:
             raise argparse.ArgumentError(self, f"{values!r}; {str(exc).split('; ', 1)[1]}") from None
-        setattr(namespace, self.dest, str(dtype).replace("torch.", ""))
+        setattr(namespace, self.dest, dtype_name(dtype))
         namespace.half_dtype_given = values
 
 
@@ -199,6 +199,8 @@ def _add_lists(subparsers):
                                    description="Print each shipped op list name (usable as op_lists=NAME, "
                                                "'extends: NAME' and 'amp-patch validate NAME') with its entries "
                                                "per category on this torch.")
+    parser.add_argument("--patches", action="store_true",
+                        help="instead, list the process-wide attributes amp_patch patches besides op-list sites")
     parser.set_defaults(func=_run_lists)
     return parser
 
@@ -206,6 +208,8 @@ def _add_lists(subparsers):
 def _run_lists(args):
     from ..config.oplist import inactive_report, load_op_lists, shipped_names
     from ..errors import AmpPatchError
+    if args.patches:
+        return _print_patch_catalogue()
     names = shipped_names()
     width = max((len(n) for n in names), default=0)
     status = 0
@@ -221,6 +225,14 @@ def _run_lists(args):
         for line in inactive_report(table):
             print(line)
     return status
+
+
+def _print_patch_catalogue():
+    from ..patching.registry import CATALOGUE
+    print("Besides op-list sites, while a session (or an autocast() region) is open amp_patch patches:")
+    for site, owner, why in CATALOGUE:
+        print(f"- {site} ({owner}): {why}")
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -4,14 +4,12 @@ Jobs follow the experiment runner's convention (``amp_patch.tools.experiment.mod
 or a built-in ``--model``.
 """
 import json
-import sys
 
 import torch
 
+from ..config.dtypes import parse_half_dtype
 from ..errors import AmpPatchError
 from .cli import add_half_dtype, add_verbose, echo_half_dtype, error, job_raised
-
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def add_parser(subparsers):
@@ -67,7 +65,7 @@ def trace_one_iteration(job, *, half_dtype=torch.bfloat16, op_lists=None, module
 def run_command(args):
     echo_half_dtype("trace", args)
     try:
-        tracer = trace_one_iteration(_job(args), half_dtype=_DTYPES[args.half_dtype], op_lists=args.op_lists,
+        tracer = trace_one_iteration(_job(args), half_dtype=parse_half_dtype(args.half_dtype), op_lists=args.op_lists,
                                      modules=not args.no_modules)
     except AmpPatchError as exc:
         return error("trace", exc, args)

@@ -14,8 +14,6 @@ import threading
 
 import torch.utils.checkpoint as _ckpt
 
-from ...session import state as _state
-
 log = logging.getLogger("amp_patch")
 
 
@@ -53,15 +51,14 @@ def _pinned(engine, function):
         if engine.installed:
             with _depth(engine.disabled, depth), _cache_region(engine):
                 return function(*args, **kwargs)
-        live = _state.active_engine()
+        activation = engine.activation
+        live = activation.active_engine() if activation is not None else None
         if live is not None:
             with _depth(live.disabled, depth), _cache_region(live):
                 return function(*args, **kwargs)
-        if depth:  # the forward ran with casting off: so does its recomputation
+        if depth or activation is None:  # the forward ran with casting off: so does its recomputation
             return function(*args, **kwargs)
-        from ...session.regions import reopened  # (regions imports the engine, which imports this module)
-
-        with reopened(engine):
+        with activation.reopened(engine):
             return function(*args, **kwargs)
 
     return run

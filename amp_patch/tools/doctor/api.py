@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from ...casting.wrappers import parse_half_dtype
+from ...config.dtypes import parse_half_dtype
 from ...errors import ConfigError, UsageError
 from ...session import state as _state
 from ..experiment.models import as_job, load_job

@@ -10,7 +10,8 @@ import math
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ...casting.wrappers import HALF_DTYPES, cast_tree, iter_tensors
+from ...casting.wrappers import cast_tree, iter_tensors
+from ...config.dtypes import HALF_DTYPES
 from ...observe.trace import running_modules
 from ...session import api as frontend
 from ...session import state as _state

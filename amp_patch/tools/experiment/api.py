@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from ...casting.wrappers import parse_half_dtype
+from ...config.dtypes import parse_half_dtype
 from ...errors import ConfigError, ExperimentInterrupted, UsageError
 from ...session import state as _state
 from .isolation import IsolatedRun

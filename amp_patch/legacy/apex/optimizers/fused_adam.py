@@ -1,5 +1,5 @@
 """``apex.optimizers.FusedAdam``: Adam / AdamW with Apex's arguments and state layout, on foreach math."""
-from ....errors import ConfigError, UsageError
+from ....errors import UsageError
 from ... import amp_C
 from ._base import (
     FusedOptimizer,

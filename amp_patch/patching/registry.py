@@ -1,0 +1,48 @@
+"""The registry of every process-wide patch: what amp_patch may patch besides op-list sites, and what is patched now.
+
+Every attribute amp_patch replaces anywhere in the process goes through a :class:`~amp_patch.patching.patcher.
+Patcher`, which registers itself here while it holds a patch; :func:`installed` lists them (the tests' leak check
+requires it to be empty after each test). Op-list sites (``torch.*``, ``torch.nn.functional.*``, ``torch.Tensor.*``
+and user registrations) are data in the op lists; :data:`CATALOGUE` lists the others, with their owner and why.
+"""
+CATALOGUE = (
+    # (site, owner module, why)
+    ("torch.optim.optimizer.Optimizer.zero_grad", "session.api",
+     "a skipped step's grads are cleared with the optimizer's own zero_grad; O2 clears the masters' grads too"),
+    ("<optimizer class>.step", "session.api",
+     "each optimizer class that defines step() (casting pauses inside it; the scale_loss protocol finishes there)"),
+    ("torch.optim.optimizer.Optimizer._amp_stash", "legacy.amp_stash",
+     "Apex's per-optimizer stash, read by Apex scripts (added while an apex-alias session is open)"),
+    ("torch.optim.optimizer.Optimizer._lazy_init_maybe_master_weights", "legacy.amp_stash", "Apex's name, a no-op"),
+    ("torch.nn.modules.rnn.RNNBase.check_input", "casting.interop.modules",
+     "the dtype part of RNN input checks answers for the cast dtype while the _VF wrapper casts"),
+    ("warnings._showwarnmsg", "casting.interop.warn_site", "a warning torch raises in a wrapped op names the caller"),
+    ("torch.utils.checkpoint.CheckpointFunction.apply", "casting.interop.recompute",
+     "reentrant checkpoint recompute runs with the forward's casting state"),
+    ("torch.utils.checkpoint._checkpoint_without_reentrant_generator(_impl)", "casting.interop.recompute",
+     "non-reentrant checkpoint recompute runs with the forward's casting state"),
+    ("torch.amp.autocast_mode.autocast.__enter__", "casting.interop.native_regions",
+     "torch.autocast(enabled=False) regions turn amp_patch's casting off too"),
+    ("torch.amp.autocast_mode.autocast.__exit__", "casting.interop.native_regions", "(the region's end)"),
+    ("torch.is_autocast_enabled", "casting.interop.native_regions",
+     "custom_fwd/custom_bwd functions see casting on inside a session"),
+    ("torch.nn.parallel.distributed.DistributedDataParallel.__init__", "parallel.ddp",
+     "O2 masters follow DDP's broadcast of rank 0's weights"),
+    ("torch.nn.parallel.distributed.DistributedDataParallel.no_sync", "parallel.ddp",
+     "unscaling inside no_sync() is counted, so an unreduced step is refused"),
+)
+
+_live = {}  # id(patcher) -> the patcher, while it holds at least one patch (insertion order: oldest first)
+
+
+def register(patcher):
+    _live[id(patcher)] = patcher
+
+
+def forget(patcher):
+    _live.pop(id(patcher), None)
+
+
+def installed():
+    """Every patch installed now, oldest patcher first: a list of ``"module.attribute"`` site names."""
+    return [site for patcher in list(_live.values()) for site in patcher.sites()]

@@ -82,9 +82,9 @@ read -r -a ignore <"$out/ignore_args.txt" || true
 echo "gpu_check: pins: $(tr '\n' ';' <"$out/skipped_pins.txt")"
 
 # The CUDA tests, then the checks that depend on the torch version (op lists, casting, compile, RNNs).
-step tests 150 "$py" -m pytest -q -p no:cacheprovider -rs "${ignore[@]}" tests/test_cuda.py tests/test_torch_versions.py \
-    tests/test_compile.py tests/test_coverage_rnn.py tests/test_scaling.py tests/test_cast_cache.py \
-    tests/test_torch_list_conformance.py tests/test_casting_rules.py
+step tests 150 "$py" -m pytest -q -p no:cacheprovider -rs "${ignore[@]}" tests/integration/test_cuda.py tests/integration/test_torch_versions.py \
+    tests/behaviour/test_compile_keeps_casts.py tests/behaviour/test_rnns_in_half.py tests/behaviour/test_loss_scaling_end_to_end.py tests/unit/test_cast_cache_counts.py \
+    tests/oracle/test_torch_list_conformance.py tests/unit/test_casting_rules.py
 tests_rc=$?
 step step_fp16 55 "$py" benchmarks/bench_step_time.py "${bench[@]}" --dtype float16
 step step_bf16 55 "$py" benchmarks/bench_step_time.py "${bench[@]}" --dtype bfloat16
@@ -98,7 +98,7 @@ grep -h -A8 "^### " "$out/experiment.txt" | head -n 24
 if [ "$dry" = 1 ]; then
     cat <<'NOTE'
 gpu_check: this was the dry run. On the GPU machine (no --dry-run) the same steps print: the device line with
-  "cuda 13.0 | device NVIDIA H200"; tests.txt with tests/test_cuda.py and the CUDA LSTM/GRU checks run, not
+  "cuda 13.0 | device NVIDIA H200"; tests.txt with tests/integration/test_cuda.py and the CUDA LSTM/GRU checks run, not
   skipped (about 10 more tests); step_fp16/step_bf16 tables for all three cases on cuda (3 rounds, fp32, native,
   O1, O2 and the cast-count check); the experiment's three tables (mlp, cnn, transformer) in float16 on cuda,
   with syncs/step measured instead of "n/a (CPU)".

@@ -5,7 +5,7 @@ ImportError); it uses apex.parallel.DistributedDataParallel(delay_allreduce=True
 apex.optimizers.FusedSGD/FusedAdam, apex.fp16_utils.to_python_float, clips amp.master_params, checkpoints
 with amp.state_dict(), and computes a gradient norm with amp_C through multi_tensor_applier and a checksum with
 apex_C as NVIDIA's BERT scripts did. Tiny model, synthetic data, CPU (gloo) or CUDA (nccl).
-Run by tests/test_legacy_scripts.py as ``amp-patch run`` (one process) and under ``torchrun --nproc_per_node=2``.
+Run by tests/integration/test_real_apex_scripts.py as ``amp-patch run`` (one process) and under ``torchrun --nproc_per_node=2``.
 """
 import argparse
 import os

@@ -1,4 +1,4 @@
-"""Per-rank job for tests/test_apex_parallel.py (run through _dist_worker.run_ranks as
+"""Per-rank job for tests/integration/test_apex_parallel.py (run through _dist_worker.run_ranks as
 ``"_apex_parallel_jobs:two_ranks"``). Every rank also computes, without any collective, what the other rank's
 local gradients/batches are, so the parent test can compare against plain sums and means."""
 

@@ -1,4 +1,4 @@
-"""Multi-process helpers for tests/test_distributed.py: a launcher with a deadline, and the per-rank jobs.
+"""Multi-process helpers for tests/integration/test_distributed.py: a launcher with a deadline, and the per-rank jobs.
 
 ``run_ranks(job, tmp_path, ...)`` starts ``world`` fresh interpreters
 (``python -c "import _dist_worker; _dist_worker._entry(rank, dir)"``; no

@@ -1,4 +1,4 @@
-"""Per-rank jobs of tests/test_fsdp2.py (run by ``_dist_worker.run_ranks("_fsdp2_jobs:main", ...)``).
+"""Per-rank jobs of tests/integration/test_fsdp2.py (run by ``_dist_worker.run_ranks("_fsdp2_jobs:main", ...)``).
 
 One plan of 6 optimizer steps runs under DDP O2 and under amp_patch.fully_shard + O2: two losses (two forwards,
 loss ids 0 and 1), gradient accumulation (DDP ``no_sync()`` / FSDP2 ``set_requires_gradient_sync(False)``), an inf

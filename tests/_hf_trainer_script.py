@@ -3,7 +3,7 @@ command line, so Apex is chosen with ``--fp16 --half_precision_backend apex --fp
 
 A tiny randomly initialised GPT-2 (tied input/output embeddings unless --untied) learns a few fixed token
 sequences. Prints whether transformers saw apex, the logged losses, and a digest of the final state_dict.
-Run by tests/test_legacy_scripts.py under ``amp-patch run``.
+Run by tests/integration/test_real_apex_scripts.py under ``amp-patch run``.
 """
 import dataclasses
 import hashlib

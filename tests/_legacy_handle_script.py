@@ -1,4 +1,4 @@
-"""An old-API Apex script (amp.init / wrap_optimizer / optimizer.scale_loss), run by tests/test_legacy.py."""
+"""An old-API Apex script (amp.init / wrap_optimizer / optimizer.scale_loss), run by tests/behaviour/test_apex_alias_and_run.py."""
 import sys
 
 import torch

@@ -1,4 +1,4 @@
-"""torch.nn's module zoo with small constructor arguments and inputs (used by tests/test_nn_zoo.py).
+"""torch.nn's module zoo with small constructor arguments and inputs (used by tests/integration/test_nn_zoo.py).
 
 SPECS maps a class name to (constructor, inputs): ``inputs()`` returns the positional arguments of one forward
 (float tensors are made fp32; the opt level casts them). NOT_MODULES are the torch.nn classes that are not

@@ -1,4 +1,4 @@
-"""The training loop tests/test_remainder.py runs under each O2 master storage (also on 2 gloo ranks).
+"""The training loop tests/behaviour/test_remainder_masters.py runs under each O2 master storage (also on 2 gloo ranks).
 
 Every initial weight, and every master after each completed step, has half of its elements planted on an exact
 bf16 tie (low 16 bits 0x8000), where the split rule and torch's round-to-nearest-even disagree: a wrong tie rule

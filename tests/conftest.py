@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from tests_support import leaks_of
 
 import amp_patch
+from amp_patch.patching import registry
 from amp_patch.session import state as _state
 from amp_patch.session.user_functions import REGISTRY
 
@@ -58,4 +59,5 @@ def no_patch_leaks():
     REGISTRY.clear()
     leaks = leaks_of(before)
     assert not stray_region, "an amp_patch.autocast() region was left open"
+    assert not registry.installed(), f"patches still registered: {registry.installed()[:20]}"
     assert not leaks, f"test leaked patches: {sorted(leaks)[:20]}"

@@ -7,12 +7,15 @@ import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _MISSING = object()
+TESTS = Path(__file__).resolve().parent  # tests/: the support modules and scripts live here
+REPO = TESTS.parent
 
 
 def leaks_of(snapshot):
@@ -141,3 +144,17 @@ class SmallNet(torch.nn.Module):
         h = torch.nn.functional.gelu(self.fc1(x))
         h = self.norm(h) + x
         return self.fc2(h), torch.nn.functional.softmax(h @ h.t(), dim=-1)
+
+
+def split_params(text):
+    """A signature's parameter list split at its top-level commas (docs/api.md checks use it)."""
+    params, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            params.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    return [p for p in params + [current.strip()] if p and p != "*"]

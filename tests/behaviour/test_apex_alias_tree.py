@@ -2,7 +2,7 @@
 apex.amp._amp_state, and Apex's semantics that Apex's own unit tests rely on.
 
 The mirror mechanism is tested with a small stand-in mirror module put in sys.modules here, so these tests do
-not depend on amp_patch's real apex.parallel / apex.optimizers (tests/test_legacy_scripts.py runs those).
+not depend on amp_patch's real apex.parallel / apex.optimizers (tests/integration/test_real_apex_scripts.py runs those).
 """
 import importlib
 import importlib.metadata
@@ -18,7 +18,7 @@ import amp_patch
 from amp_patch import legacy
 from amp_patch.legacy import ApexAttributeError, ApexImportError
 
-torch.save(torch.zeros(1), io.BytesIO())  # (copyreg's one-off __slotnames__ cache; see test_legacy.py)
+torch.save(torch.zeros(1), io.BytesIO())  # (copyreg's one-off __slotnames__ cache; see test_apex_alias_and_run.py)
 
 
 def _alias_modules():

@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from tests_support import REPO
 
 import amp_patch
 from amp_patch.config import oplist
@@ -169,7 +170,7 @@ def test_a_dynamo_without_the_trace_rules_amp_patch_reads_fails_clearly(monkeypa
 def test_the_declared_torch_range_is_the_tested_one():
     from amp_patch._torch import compat as torch_compat
 
-    setup_cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.cfg")
+    setup_cfg = os.path.join(str(REPO), "setup.cfg")
     with open(setup_cfg, encoding="utf-8") as f:
         assert f"    {torch_compat.REQUIREMENT}\n" in f.read()
     assert torch_compat.tested(), f"torch {torch.__version__} is outside the tested range {torch_compat.TESTED}"

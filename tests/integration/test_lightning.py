@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from tests_support import REPO
 
 L = pytest.importorskip("lightning")  # imported before the leak fixture's snapshot (it touches torch on import)
 from tests_support import run_killing_group  # noqa: E402
@@ -24,7 +25,7 @@ ORIGINAL_LINEAR = F.linear
 # fp16 runs start at a loss scale of 2**12: at the default 2**16 the first step of these models overflows (a
 # normal, skipped first step that would shift every trajectory by one step against the fp32 reference).
 FP16 = dict(max_loss_scale=2.0 ** 12)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 
 _gen = torch.Generator().manual_seed(0)
 X = torch.randn(64, 8, generator=_gen)

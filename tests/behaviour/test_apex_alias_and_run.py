@@ -9,18 +9,18 @@ import sys
 
 import pytest
 import torch
-from tests_support import run_killing_group
+from tests_support import REPO, TESTS, run_killing_group
 
 import amp_patch
 from amp_patch import legacy
 from amp_patch.legacy import ApexAttributeError, ApexFeatureError, ApexImportError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 EXAMPLES = os.path.join(ROOT, "examples", "legacy")
 IMAGENET = os.path.join(EXAMPLES, "imagenet_amp.py")
 DCGAN = os.path.join(EXAMPLES, "dcgan_amp.py")
 DDP = os.path.join(EXAMPLES, "ddp_amp.py")
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = str(TESTS)
 
 # The first torch.save in a process caches copyreg's Tensor.__slotnames__, which the autouse leak check of
 # conftest.py would report as a patch; pay that one-off cost at import.

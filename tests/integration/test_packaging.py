@@ -2,10 +2,12 @@
 import configparser
 import pathlib
 
+from tests_support import REPO
+
 import amp_patch
 from amp_patch.config import oplist
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = REPO
 
 
 def test_setup_cfg_declares_every_subpackage():

@@ -11,7 +11,7 @@ Conventions, for whoever writes docs (an HTML comment on the line just before th
   must be the function's;
 - ``<!-- snippet: no-run (why) -->``: not run; the reason is required.
 
-``bash`` blocks are not run: tests/test_doc_commands.py parses each of their commands with its program's real
+``bash`` blocks are not run: tests/integration/test_doc_commands.py parses each of their commands with its program's real
 argument parser (and runs the cheap ones). Other languages (text) are not checked.
 Each block runs in a temporary working directory, and amp_patch is deinitialized (and the apex alias removed)
 afterwards.
@@ -22,12 +22,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_api_reference import _split_params
+from tests_support import REPO
+from tests_support import split_params as _split_params
 
 import amp_patch
 import amp_patch.legacy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 FENCE = re.compile(r"^```(\w*)")
 MARKER = re.compile(r"^<!--\s*snippet:\s*(.*?)\s*-->\s*$")

@@ -14,17 +14,17 @@ import sys
 
 import pytest
 import torch
-from tests_support import run_killing_group
+from tests_support import TESTS, run_killing_group
 
 import amp_patch
 from amp_patch import legacy
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = str(TESTS)
 IMAGENET = os.path.join(HERE, "_apex_imagenet_script.py")
 TRAINER = os.path.join(HERE, "_hf_trainer_script.py")
 MODULE_CLI = "amp_patch" if importlib.util.find_spec("amp_patch.__main__") else "amp_patch.legacy"
 
-torch.save(torch.zeros(1), io.BytesIO())  # (copyreg's one-off __slotnames__ cache; see test_legacy.py)
+torch.save(torch.zeros(1), io.BytesIO())  # (copyreg's one-off __slotnames__ cache; see test_apex_alias_and_run.py)
 
 def _alias_modules():
     return {n for n in sys.modules if n in ("apex", "amp_C", "apex_C") or n.startswith("apex.")}

@@ -5,8 +5,9 @@ import sys
 
 import pytest
 import torch
+from tests_support import TESTS
 
-JOB = os.path.join(os.path.dirname(__file__), "_resume_job.py")
+JOB = os.path.join(str(TESTS), "_resume_job.py")
 
 
 LEVELS = ["O1", "O2"]

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 import torch
-from tests_support import run_killing_group
+from tests_support import REPO, run_killing_group
 
 from amp_patch.tools import cli
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 
 
 def _one_line_error(capsys, code, expect):

@@ -15,10 +15,11 @@ import types
 
 import pytest
 import torch
+from tests_support import TESTS
 
 from amp_patch.parallel import ddp as amp_dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = str(TESTS)
 SCRIPT = os.path.join(HERE, "_ddp_exit_script.py")
 
 

@@ -14,14 +14,14 @@ import threading
 import _dist_worker as w
 import pytest
 import torch
-from tests_support import run_killing_group
+from tests_support import REPO, run_killing_group
 from torch.utils.data import DataLoader, DistributedSampler
 
 import amp_patch
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 EXAMPLE = os.path.join(ROOT, "examples", "ddp_train.py")
 
 
@@ -252,7 +252,7 @@ def test_fsdp2_o1_after_sharding_follows_fp32(fsdp, variant, tol):
 @pytest.mark.parametrize("variant", ["O1 fp16 inf", "O0 policy fp16 inf"])
 def test_fsdp2_one_rank_inf_skips_on_both(fsdp, variant):
     """Each rank checks only its own shard of the grads; agree_overflow makes both skip the step. O0 + FSDP2's
-    MixedPrecisionPolicy(param_dtype=fp16) + loss_scale="dynamic" still works (O2 on FSDP2: tests/test_fsdp2.py)."""
+    MixedPrecisionPolicy(param_dtype=fp16) + loss_scale="dynamic" still works (O2 on FSDP2: tests/integration/test_fsdp2.py)."""
     for rank in fsdp:
         assert rank[variant]["skipped"] == [False, True, False, False]
     assert_same(fsdp[0][variant]["params"], fsdp[1][variant]["params"])

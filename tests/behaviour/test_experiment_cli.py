@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from tests_support import TESTS
 
 import amp_patch
 from amp_patch.tools import cli
@@ -19,7 +20,7 @@ from amp_patch.tools.experiment.report import Progress, summarize
 from amp_patch.tools.experiment.runner import Config, new_result
 from amp_patch.tools.experiment.verdict import verdict
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = str(TESTS)
 ROOT = os.path.dirname(HERE)
 TINY = ["--job", "test_experiment:tiny_job", "--steps", "3", "--rounds", "1", "--no-isolate"]
 

@@ -51,5 +51,5 @@ def syncbn_plain_ddp(rank, world):
     return {"running_mean": model[1].running_mean.clone(), "grad": model[0].weight.grad.clone()}
 
 
-def issue19(rank, world):
+def masters_and_syncbn(rank, world):
     return {"seeds": per_rank_seeds(rank, world), "syncbn": syncbn_plain_ddp(rank, world)}

@@ -1,4 +1,4 @@
-"""A 2-rank gloo script in the shape of issue 13 (item 5): initialize (O2) -> torch DDP -> 3 steps ->
+"""A 2-rank gloo script in the shape of real DDP training scripts: initialize (O2) -> torch DDP -> 3 steps ->
 destroy_process_group() -> return, with nothing freed by hand. Run as ``python _ddp_exit_script.py MODE RANK DIR``
 with MODE "amp_patch" or "plain" (the same script with torch alone); exit code 0 is a clean exit."""
 import os

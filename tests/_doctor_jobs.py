@@ -189,6 +189,6 @@ def _summed_ce(out, target):
 
 def healthy_backoff_job():
     """A healthy float16 MLP whose gradients do not fit the scaler's initial 65536: it backs off 4 times before
-    the first applied step (65536 -> 4096) and once more at step 5, then trains (issue 22, item 6)."""
+    the first applied step (65536 -> 4096) and once more at step 5, then trains."""
     return {"model_fn": mlp_model, "optimizer_fn": _sgd, "data_fn": lambda_free_mlp_data, "loss_fn": _summed_ce,
             "batch_size": 16, "name": "healthy_backoff"}

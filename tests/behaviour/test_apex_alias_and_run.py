@@ -341,8 +341,7 @@ def _fold_step(model, optimizer, x):
 
 def test_apex_initialize_again_adds_to_the_open_session_as_apex_did(caplog):
     """k-fold loops call amp.initialize once per fold and the HF Trainer once per train(), never deinitializing:
-    as in Apex, the earlier folds' models and optimizers stay initialized and can keep training (issue 19; this
-    test first expected each call to close the previous session, which Apex never did)."""
+    as in Apex, the earlier folds' models and optimizers stay initialized and can keep training."""
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
     folds = []
     for fold in range(3):

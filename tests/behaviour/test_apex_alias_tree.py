@@ -244,7 +244,7 @@ def test_amp_state_reads_and_writes_the_live_scalers():
         assert amp.state_dict()["loss_scaler1"]["unskipped"] == 1999 and not scalers[1]._has_overflow
         with pytest.raises(amp_patch.UsageError, match="cannot be set"):
             scalers[0].loss_scale = 3.0
-        assert scalers[0].update_scale() is False  # provided since issue 19 (NVIDIA BERT's recipe)
+        assert scalers[0].update_scale() is False  # NVIDIA BERT's recipe calls it
         with pytest.raises(ApexAttributeError):
             scalers[0]._scale_seq_len  # (an Apex LossScaler internal amp_patch does not provide)
 

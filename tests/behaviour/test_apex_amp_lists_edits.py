@@ -1,4 +1,4 @@
-"""Issue 19 item 5: ``apex.amp.lists`` are Apex's mutable op lists; edits made before ``initialize`` reach the op
+"""``apex.amp.lists`` are Apex's mutable op lists; edits made before ``initialize`` reach the op
 table, misspelt names fail with ``file:line`` of the edit and the list's name."""
 import importlib.util
 import textwrap

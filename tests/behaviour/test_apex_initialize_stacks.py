@@ -1,4 +1,4 @@
-"""Issue 19 item 1: ``apex.amp.initialize`` called more than once adds to what is active, as in Apex.
+"""``apex.amp.initialize`` called more than once adds to what is active, as in Apex.
 
 GAN and super-resolution scripts initialize G and D in two calls; Apex's checkpoint test initializes a second
 model while the first keeps training; Apex's L0 suite mixes ``amp.init()`` and ``amp.initialize()`` in one

@@ -1,4 +1,4 @@
-"""Apex's multiple models / losses / optimizers semantics (issue 19 items 2 and 3), in the shape of Apex's L0 test
+"""Apex's multiple models / losses / optimizers semantics, in the shape of Apex's L0 test
 ``test_multiple_models_optimizers_losses``: fp32 models holding one half weight each, ``cast_model_type=False``,
 loss scales 4 and 16, three ways of zeroing grads (``p.grad = None`` on the model's params, ``model.zero_grad()``,
 ``optimizer.zero_grad()``), an inf injected into one backward's grads; every iteration's master grads and the

@@ -1,4 +1,4 @@
-"""Issue 19 item 6: the rest of the Apex surface real scripts touch (master_params without initialize, Apex's
+"""The rest of the Apex surface real scripts touch (master_params without initialize, Apex's
 warning class, FusedLayerNorm's ``memory_efficient`` and autocast casting, its autograd functions)."""
 import warnings
 

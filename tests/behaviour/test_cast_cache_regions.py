@@ -1,4 +1,4 @@
-"""The O1 cast cache serves only regions amp_patch knows (issue 20 follow-up, items 3 and 4).
+"""The O1 cast cache serves only regions amp_patch knows.
 
 A forward of a session's model or an ``amp_patch.autocast()`` region uses the cache; anything else (a copy of
 the model, a model never passed to initialize, a submodule called directly) casts without caching, so a write

@@ -1,4 +1,4 @@
-"""One job lookup for every command (issue 22, item 2): ``module:function`` from the current directory first,
+"""One job lookup for every command: ``module:function`` from the current directory first,
 ``path/to/file.py:function``, and a job that raises gets one line naming the job, the exception and the user's
 file:line, exit 2 (the traceback with --verbose). Through ``cli.main``, with the current directory off sys.path
 (as under the installed ``amp-patch`` script)."""

@@ -121,7 +121,7 @@ def test_healthy_mlp_needs_no_change_via_the_command_line(tmp_path, capsys, monk
 
 def test_a_healthy_mlp_whose_scaler_backs_off_at_the_start_needs_no_change(capsys):
     """Backoffs before the first applied step, and a later one the scaler recovers from, are the scaler finding
-    its scale (issue 22: the doctor said "not fixable" and exited 1)."""
+    its scale."""
     status = cli.main(["doctor", "--job", "_doctor_jobs:healthy_backoff_job", "--steps", str(STEPS), "--json"])
     report = json.loads(capsys.readouterr().out)
     assert [s["kind"] for s in train(jobs.healthy_backoff_job(), opt_level="O1", half_dtype=torch.float16,

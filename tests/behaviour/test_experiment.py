@@ -186,7 +186,7 @@ def test_builtin_job_by_spec_in_process():
 
 
 def test_progress_is_one_starting_line_when_not_a_tty():
-    """Issue 22, item 4: the command says it started at once; a file or a pipe gets no progress bar."""
+    """The command says it started at once; a file or a pipe gets no progress bar."""
     stream = io.StringIO()
     bar = Progress(2, 5, stream=stream)
     bar.announce("starting 2 variants in separate processes...")

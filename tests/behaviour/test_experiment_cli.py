@@ -1,4 +1,4 @@
-"""A newcomer's `amp-patch experiment` (issue 22): Ctrl-C, progress, the verdict, the PNG's panels and the
+"""A newcomer's `amp-patch experiment`: Ctrl-C, progress, the verdict, the PNG's panels and the
 vocabulary (--opt-level, dtype shorthands), through cli.main or a subprocess."""
 import argparse
 import io
@@ -82,7 +82,7 @@ def _alive(pid):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to see the workers ended")
 def test_ctrl_c_keeps_the_finished_rounds_says_interrupted_once_and_exits_130(tmp_path):
-    """A path-style job, so the spawned variant processes load it by path too (issue 22, items 2 and 3)."""
+    """A path-style job, so the spawned variant processes load it by path too."""
     (tmp_path / "slow_jobs.py").write_text(SLOW_JOB)
     log = tmp_path / "steps.log"
     env = dict(os.environ, STEP_LOG=str(log), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)

@@ -79,7 +79,7 @@ def test_markdown_table_is_valid_and_labels_o0(in_process):
     rows = [line for line in text.splitlines() if line.startswith("|")]
     assert len(rows) == 4 and all(len(_cells(r)) == len(_cells(rows[0])) for r in rows), rows
     assert rows[2].startswith("| O0 (fp32) | ok |") and rows[3].startswith("| O1 | ok |")
-    # the default half dtype is explained once, in the README, not in every table (issue 22, item 7)
+    # the default half dtype is explained once, in the README, not in every table
     assert "Half dtype" not in text and "initialize() defaults to float16" not in text
 
 
@@ -237,7 +237,7 @@ def _bars(ax):
 
 
 def test_png_shows_each_variants_memory_growth_and_the_step_times_spread():
-    """Not whole-process RSS, in which every variant looks the same (issue 22, item 5)."""
+    """Not whole-process RSS, in which every variant looks the same."""
     Figure = pytest.importorskip("matplotlib.figure").Figure
     axes = plot.draw_row(Figure().subfigures(1, 1), _report_with_memory())
     assert _bars(axes["memory"]) == ([10.0, 40.0], None) and "growth" in axes["memory"].get_title()

@@ -1,4 +1,4 @@
-"""Casting-side fault classes of issue 20: a cast cache that cannot go stale or grow, out=, checkpoint
+"""Casting-side fault classes: a cast cache that cannot go stale or grow, out=, checkpoint
 recompute, per-thread bookkeeping, wrappers as pass-throughs once their session ends."""
 import copy
 import threading

@@ -1,4 +1,4 @@
-"""A failed initialize and an interrupted deinitialize leave nothing behind (issue 20, model/session side).
+"""A failed initialize and an interrupted deinitialize leave nothing behind.
 
 A fault is injected after (and inside) every step of ``initialize``; the models, optimizers, torch's
 namespaces and global hooks, and amp_patch's own state must then be exactly as before, bitwise. A fault in one

@@ -1,4 +1,4 @@
-"""torch.jit during a session (issue 20, raw errors): trace works, script is refused naming the fix.
+"""torch.jit during a session: trace works, script is refused naming the fix.
 
 O1's wrappers never use the cast cache while torch.jit traces (a cast cached by an earlier forward became a graph
 constant: "Cannot insert a Tensor that requires grad as a constant"), so ``torch.jit.trace`` records the casts;

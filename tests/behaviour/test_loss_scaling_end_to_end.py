@@ -322,7 +322,7 @@ def test_o1_casting_pauses_inside_step_and_always_resumes():
     opt.fail = True
     with pytest.raises(RuntimeError, match="step failed"):
         opt.step()
-    assert torch.mm(x, x.t()).dtype is torch.float16  # the failed step did not leave casting paused (issue 12)
+    assert torch.mm(x, x.t()).dtype is torch.float16  # the failed step did not leave casting paused
     assert model(x).dtype is torch.float16
     opt.fail = False
     dtypes = []

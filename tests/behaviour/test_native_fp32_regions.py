@@ -1,5 +1,5 @@
-"""Native ``torch.autocast(enabled=False)`` regions run in fp32 under an O1 session, as under native autocast
-(issue 20 follow-up): RoPE-shaped code, nested enabled regions, regions of another device type, threads and
+"""Native ``torch.autocast(enabled=False)`` regions run in fp32 under an O1 session, as under native autocast:
+RoPE-shaped code, nested enabled regions, regions of another device type, threads and
 amp_patch's own regions. Oracle: native ``torch.autocast("cpu", bfloat16)``, bitwise, with the torch_cpu list."""
 import threading
 import warnings

@@ -1,4 +1,4 @@
-"""Copies, pickles and dtype changes of a model during an O2/O3 session (issue 20, model side).
+"""Copies, pickles and dtype changes of a model during an O2/O3 session.
 
 * ``copy.deepcopy`` (EMA and teacher copies, timm's ModelEmaV2): the copy is independent of the session, a
   plain model in the current dtypes whose ``state_dict()`` is its own; EMA code keeps working and never

@@ -1,4 +1,4 @@
-"""In-place edits of O2 model weights reach the fp32 masters (issue 20, model side).
+"""In-place edits of O2 model weights reach the fp32 masters.
 
 WGAN's weight clipping (``for p in D.parameters(): p.data.clamp_(-c, c)`` after each step) and manual weight
 surgery change the half model params; the next step used to copy the unedited masters back over them.

@@ -135,7 +135,7 @@ def test_ddp_two_ranks_remainder_is_bitwise_split(tmp_path):
     for rank, rank_result in enumerate(results):
         _assert_same(rank_result["remainder"], rank_result["split"])
         for mode in ("remainder", "split"):  # rank 1 built other weights; DDP's construction gave every rank
-            # rank 0's, and the masters followed it through the storage (issue 19: no stale master left)
+            # rank 0's, and the masters followed it through the storage
             assert rank_result[mode]["stale"] == [] and rank_result[mode]["synced"] == [], mode
     for a, b in zip(results[0]["remainder"]["params"], results[1]["remainder"]["params"]):
         assert torch.equal(a, b)  # the ranks agree (rank 1 started from other weights)

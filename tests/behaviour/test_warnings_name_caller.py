@@ -1,4 +1,4 @@
-"""Warnings torch raises inside a patched op name the user's line, as without amp_patch (issue 19 item 7)."""
+"""Warnings torch raises inside a patched op name the user's line, as without amp_patch."""
 import inspect
 import warnings
 

@@ -1,4 +1,4 @@
-"""Issue 19 item 4: O2 masters agree across DDP ranks built from different seeds (2 gloo ranks, 3 steps); item 6:\nApex's SyncBatchNorm under plain torch DDP on CPU."""
+"""O2 masters agree across DDP ranks built from different seeds (2 gloo ranks, 3 steps), and\nApex's SyncBatchNorm under plain torch DDP on CPU."""
 import _dist_worker as w
 import pytest
 import torch
@@ -8,7 +8,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return w.run_ranks("_apex_dist_jobs:issue19", tmp_path_factory.mktemp("issue19"), timeout=90)
+    return w.run_ranks("_apex_dist_jobs:masters_and_syncbn", tmp_path_factory.mktemp("masters_and_syncbn"), timeout=90)
 
 
 def test_o2_ranks_seeded_differently_train_bitwise_identical_weights(ranks):

@@ -1,4 +1,4 @@
-"""Exits of distributed scripts (issue 13, item 5): a good run must not end in an abort or a hang.
+"""Exits of distributed scripts: a good run must not end in an abort or a hang.
 
 torch's part: gloo's worker threads drop a finished collective's tensors a moment after the collective returns,
 and that drop takes the GIL when the tensor has a Python object. If the interpreter is shutting down by then the
@@ -63,7 +63,7 @@ def test_the_overflow_all_reduce_returns_only_after_the_gloo_worker_let_go():
 
 
 def test_the_wait_is_bounded_and_only_under_gloo(monkeypatch):
-    """Counted on a fake clock (issue 22: wall-clock bounds fail on a loaded machine)."""
+    """Counted on a fake clock (wall-clock bounds fail on a loaded machine)."""
     class _Keeps(_SlowWorkerDist):
         def all_reduce(self, tensor, op):
             self.held = tensor  # never let go
@@ -106,7 +106,7 @@ def _exit_codes(mode, tmp_path, index):
 @pytest.mark.stress
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 def test_twenty_runs_of_the_two_rank_o2_script_exit_cleanly(tmp_path):
-    """Issue 13 measured 6 aborts in 20 runs with amp_patch (2 with torch alone). Two runs at a time, so the
+    """An earlier release measured 6 aborts in 20 runs with amp_patch (2 with torch alone). Two runs at a time, so the
     ranks compete for the 2 cores as a busy machine makes them do (the race needs a late worker).
 
     Opt-in (``pytest -m stress``; 40 processes, ~50 s idle and over 10 minutes under load): the mechanism it

@@ -180,8 +180,9 @@ def test_log_lines_come_from_rank_zero_only(misc):
 
 
 def test_o2_masters_follow_ddp_at_its_construction(misc):
-    """Different seeds per rank: DDP broadcasts rank 0's half params, and (issue 19: as Apex's masters, made after
-    that broadcast, did) the fp32 masters follow at once; broadcast_master_params() is then a harmless no-op."""
+    """Different seeds per rank: DDP broadcasts rank 0's half params, as Apex's
+    masters (made after that broadcast) did, the fp32 masters follow at once; broadcast_master_params() is then a
+    harmless no-op."""
     rank0, rank1 = (r["master_sync"] for r in misc)
     assert rank0["stale"] == rank1["stale"] == []
     assert all(torch.equal(a, b) for a, b in zip(rank0["masters_before"], rank1["masters_before"], strict=True))

@@ -1,4 +1,4 @@
-"""A sweep over torch.nn's own layer zoo under O1/O2/O3 x fp16/bf16 (issue 13 item 5).
+"""A sweep over torch.nn's own layer zoo under O1/O2/O3 x fp16/bf16.
 
 Every torch.nn module class (tests/_nn_zoo.py: small constructor arguments and inputs; abstract bases and
 containers without forward excluded) runs forward and backward in one zoo model initialized once per

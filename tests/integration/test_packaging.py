@@ -69,7 +69,7 @@ def test_declared_floors_are_what_the_tests_run():
 
 
 def test_license_file_classifiers_and_project_urls():
-    """Issue 22, item 8: the declared BSD-3-Clause licence ships as a file; the metadata says what the package is."""
+    """The declared BSD-3-Clause licence ships as a file; the metadata says what the package is."""
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")
     meta = cfg["metadata"]

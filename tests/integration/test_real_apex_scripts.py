@@ -132,7 +132,7 @@ def test_trainer_train_called_twice_at_o2_initializes_again_and_continues(tmp_pa
 
 
 def test_trainer_o2_resume_of_a_tied_gpt2_from_checkpoint_is_bit_exact(tmp_path):
-    """GPT-2 ties lm_head to wte: the Trainer checkpoint must hold it fp32 under both names (issue 13), or the
+    """GPT-2 ties lm_head to wte: the Trainer checkpoint must hold it fp32 under both names, or the
     resumed masters differ. (An untied run takes the same O2 resume path; left out for the test-time budget.)"""
     pytest.importorskip("transformers")
     full = _trainer(tmp_path, tmp_path / "full", "O2", "--save_strategy", "steps", "--save_steps", "3")

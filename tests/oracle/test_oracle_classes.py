@@ -1,4 +1,4 @@
-"""One fixed oracle program per fault class of issue 20 (and controls that pass today), so the lead can see
+"""One fixed oracle program per fault class the oracle found (and controls that pass today), so the lead can see
 which classes pass once the fixes are merged. Each is the minimal program the class's search in
 test_oracle_harness.py shrinks to (or a hand-written one of the same shape). All pass since the fixes of
 cast-faults, model-faults and fp32-regions (they were strict xfails until then)."""

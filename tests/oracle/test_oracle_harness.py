@@ -1,4 +1,4 @@
-"""The differential oracle (issue 20 item 1): random small programs run as fp32, under native ``torch.autocast``
+"""The differential oracle: random small programs run as fp32, under native ``torch.autocast``
 (CPU, bf16 and fp16) and under amp_patch; see docs/coverage.md "The differential oracle".
 
 - amp_patch O1 with ``op_lists="torch_cpu"`` applies native CPU autocast's policy, so it must match native
@@ -18,7 +18,7 @@ from oracle_gen import assume_ran, check_close_to_fp32, check_matches_native, pr
 from oracle_program import FEATURES, Op, Program, Step
 from oracle_run import AmpRunner
 
-# Features whose programs matched before the issue 20 fixes; the others are its fault classes (fixed now: each
+# Features whose programs matched before the fault-class fixes; the others are its fault classes (fixed now: each
 # has its own search below, plus a fixed example in test_oracle_classes.py).
 KNOWN_BAD = {"data_write": "stale cast cache after .data writes", "out": "out= arguments",
              "checkpoint": "checkpoint recompute",
@@ -35,7 +35,7 @@ PASSING_O2 = PASSING - {"deepcopy", "data_write", "fp32_region"}
 
 
 def _xfail(reason):
-    return pytest.mark.xfail(strict=True, reason=f"issue 20: {reason}")
+    return pytest.mark.xfail(strict=True, reason=f"fault class: {reason}")
 
 
 @profile(examples=100)

@@ -492,7 +492,7 @@ def test_scale_one_checks_without_touching_grads(dtype):
 
 
 def test_rate_limited_overflows_are_reported_when_the_burst_ends(caplog, monkeypatch):
-    """Issue 19 item 7: overflow messages never undercount skipped steps: after a rate-limited burst, the first
+    """Overflow messages never undercount skipped steps: after a rate-limited burst, the first
     clean step (once the interval has passed) logs how many were not logged, and the total."""
     clock = FakeClock()
     monkeypatch.setattr(LossScaler, "_clock", clock)

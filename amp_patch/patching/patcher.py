@@ -1,15 +1,22 @@
-"""Exactly reversible attribute patches.
+"""Exactly reversible attribute patches: every process-wide patch amp_patch installs goes through a Patcher.
 
-A patch site is found (``find_site``) the way ``wrapt.resolve_path`` finds one: on a class
-the value is the first one in the MRO whose ``__dict__`` holds the name. We
-always install on the *target* (so ``torch.Tensor.softmax`` shadows the
-inherited ``torch._C.TensorBase.softmax``) and remember whether the name was
-the target's own attribute: undoing an inherited one means ``delattr``, undoing
-an own one means putting the exact original object back. Patches are undone in
-reverse order of installation.
+Sites are resolved and patches applied with wrapt (``wrapt.resolve_path``: on a class the value is the first one
+in the MRO whose ``__dict__`` holds the name, no descriptor bound; ``wrapt.apply_patch``). We always install on the
+*target* (so ``torch.Tensor.softmax`` shadows the inherited ``torch._C.TensorBase.softmax``) and remember whether
+the name was the target's own attribute: undoing an inherited one means ``delattr``, undoing an own one means
+putting the exact original object back (a staticmethod stays the same staticmethod object). Patches are undone in
+reverse order of installation; one that someone else re-patched since is left in place (and logged), so a foreign
+wrapper stacked on ours keeps working and ours stays reachable beneath it.
+
+The undo is ours rather than ``wrapt.unwrap_object``'s: that one learns the slot it created from wrapt's proxies,
+and the O1 op replacements must stay plain closures (wrapt's proxies forward ``__eq__``/``__hash__``, so dynamo's
+table of torch functions takes a ``FunctionWrapper`` for the op itself and never traces it: under
+``torch.compile`` the cast would be silently lost).
 """
 import dataclasses
 import logging
+
+import wrapt
 
 from ..errors import PatchError
 from . import registry
@@ -35,20 +42,17 @@ def find_site(target, name):
 
     ``raw`` is ``target.__dict__[name]`` or ``_MISSING``; ``seen`` is what a caller of ``target.name`` gets: on a
     class the first ``__dict__`` in the MRO that holds the name (no descriptor is bound), on a module its
-    attribute, ``_MISSING`` if none (also when the namespace raises for unknown names, as ``torch.ops`` does).
+    attribute, ``_MISSING`` if none (also when the namespace raises for unknown names, as ``torch.ops`` does, and
+    for a class attribute no ``__dict__`` in the MRO holds, such as a metaclass's: that is no patch site).
     """
     raw = vars(target).get(name, _MISSING)
-    if isinstance(target, type):
-        for klass in target.__mro__:
-            if name in vars(klass):
-                return raw, vars(klass)[name]
-        return raw, _MISSING
-    if raw is not _MISSING:
-        return raw, raw
     try:
-        return raw, getattr(target, name, _MISSING)
-    except Exception:  # noqa: BLE001 - torch.classes / torch.ops namespaces raise RuntimeError
+        seen = wrapt.resolve_path(target, name)[2]
+    except Exception:  # noqa: BLE001 - wrapt's PathResolutionError; torch.classes / torch.ops raise RuntimeError
         return raw, _MISSING
+    if isinstance(target, type) and not any(name in vars(klass) for klass in target.__mro__):
+        return raw, _MISSING
+    return raw, seen
 
 
 class Patcher:
@@ -90,7 +94,7 @@ class Patcher:
         self._sites.add((id(patch.target), patch.name))  # recorded first: an interrupt right after setattr
         registry.register(self)  # leaves nothing unrecorded
         try:
-            setattr(patch.target, patch.name, patch.replacement)
+            wrapt.apply_patch(patch.target, patch.name, patch.replacement)
         except BaseException:
             self.restore_all()
             raise

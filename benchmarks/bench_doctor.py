@@ -40,8 +40,8 @@ def main():
     print("| job | one run s | doctor s | doctor / run | verdict |")
     print("|---|---|---|---|---|")
     for name, make in JOBS.items():
-        run_s, _ = _seconds(lambda: train(make(), opt_level="O1", half_dtype=dtype, steps=args.steps))
-        doc_s, report = _seconds(lambda: amp_patch.doctor(make(), half_dtype=dtype, steps=args.steps))
+        run_s, _ = _seconds(lambda make=make: train(make(), opt_level="O1", half_dtype=dtype, steps=args.steps))
+        doc_s, report = _seconds(lambda make=make: amp_patch.doctor(make(), half_dtype=dtype, steps=args.steps))
         print(f"| {name} | {run_s:.2f} | {doc_s:.2f} | {doc_s / run_s:.2f} | {report.status} |")
 
 

@@ -138,7 +138,7 @@ def main():
         cells = []
         for r in range(world):
             ddp, fsdp, _ = results[r]
-            pick = (lambda d: sum(d.values())) if category == "total" else (lambda d: d[category])
+            pick = (lambda d: sum(d.values())) if category == "total" else (lambda d, category=category: d[category])
             cells += [f"{pick(ddp) / numel:.2f}", f"{pick(fsdp) / numel:.2f}"]
         print(f"| {category} | " + " | ".join(cells) + " |")
 

@@ -16,8 +16,8 @@ by the model's parameter count. Columns:
 
 Step time: median seconds of a whole training step (forward, backward, step, zero_grad), the variants
 interleaved round by round on fresh models; and of ``optimizer.step()`` from after amp_patch's pre-step hook
-(remainder masters joined) to after its post-step hook (split back): the optimizer plus the split. Target: remainder / fp32-master
-O2 <= 1.10 for the whole step. Nothing is asserted.
+(remainder masters joined) to after its post-step hook (split back): the optimizer plus the split. Target:
+remainder / fp32-master O2 <= 1.10 for the whole step. Nothing is asserted.
 """
 import argparse
 import statistics
@@ -118,8 +118,9 @@ def measure_time(opt_name, args, variants=("O2", "O2-remainder")):
         for variant in variants[r % 2:] + variants[:r % 2]:
             model, opt = setup(variant, opt_name, args.width, args.layers)
             try:
-                opt.register_step_pre_hook(lambda o, a, k: marks.append(time.perf_counter()))
-                opt.register_step_post_hook(lambda o, a, k: marks.append(time.perf_counter()))
+                # the hooks run within each step's iteration and must see that step's fresh ``marks``
+                opt.register_step_pre_hook(lambda o, a, k: marks.append(time.perf_counter()))  # noqa: B023
+                opt.register_step_post_hook(lambda o, a, k: marks.append(time.perf_counter()))  # noqa: B023
                 for step in range(args.steps + 1):
                     marks = []
                     start = time.perf_counter()

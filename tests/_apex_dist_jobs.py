@@ -1,4 +1,5 @@
-"""Per-rank jobs for tests/integration/test_apex_ddp_ranks.py (run through ``_dist_worker.run_ranks("_apex_dist_jobs:job", ...)``).
+"""Per-rank jobs for tests/integration/test_apex_ddp_ranks.py (run through
+``_dist_worker.run_ranks("_apex_dist_jobs:job", ...)``).
 
 NVIDIA's BERT pre-training seeds each rank differently before building the model, initializes O2 and then wraps
 in DDP: the ranks must still train identical weights (Apex made its masters after DDP's broadcast)."""

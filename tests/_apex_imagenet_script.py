@@ -5,7 +5,8 @@ ImportError); it uses apex.parallel.DistributedDataParallel(delay_allreduce=True
 apex.optimizers.FusedSGD/FusedAdam, apex.fp16_utils.to_python_float, clips amp.master_params, checkpoints
 with amp.state_dict(), and computes a gradient norm with amp_C through multi_tensor_applier and a checksum with
 apex_C as NVIDIA's BERT scripts did. Tiny model, synthetic data, CPU (gloo) or CUDA (nccl).
-Run by tests/integration/test_real_apex_scripts.py as ``amp-patch run`` (one process) and under ``torchrun --nproc_per_node=2``.
+Run by tests/integration/test_real_apex_scripts.py as ``amp-patch run`` (one process) and under
+``torchrun --nproc_per_node=2``.
 """
 import argparse
 import os
@@ -19,8 +20,8 @@ try:
     from apex.fp16_utils import *  # noqa: F401,F403  (to_python_float)
     from apex.multi_tensor_apply import multi_tensor_applier
     from apex.parallel import DistributedDataParallel as DDP
-except ImportError:
-    raise ImportError("Please install apex from https://www.github.com/nvidia/apex to run this example.")
+except ImportError as exc:
+    raise ImportError("Please install apex from https://www.github.com/nvidia/apex to run this example.") from exc
 import amp_C
 import apex_C
 

@@ -218,7 +218,7 @@ def ddp_levels(rank, world, levels=("O0", "O1", "O2", "O3"), steps=3, batch=2, l
             sampler = DistributedSampler(dataset(), num_replicas=world, rank=rank, shuffle=True, seed=0)
             loader = DataLoader(dataset(), batch_size=batch, sampler=sampler)
             grads_seen = []
-            for step, (x, y) in zip(range(steps), loader):
+            for _step, (x, y) in zip(range(steps), loader):
                 with amp_patch.scale_loss(loss_of(ddp, x, y), opt) as scaled:
                     scaled.backward()
                     grads_seen.append([p.grad.detach().clone() for p in model.parameters()])

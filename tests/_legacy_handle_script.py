@@ -1,4 +1,5 @@
-"""An old-API Apex script (amp.init / wrap_optimizer / optimizer.scale_loss), run by tests/behaviour/test_apex_alias_and_run.py."""
+"""An old-API Apex script (amp.init / wrap_optimizer / optimizer.scale_loss), run by
+tests/behaviour/test_apex_alias_and_run.py."""
 import sys
 
 import torch

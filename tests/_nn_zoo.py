@@ -46,16 +46,20 @@ SPECS = {
     "AvgPool1d": (_lazy(nn.AvgPool1d, 2), C1), "AvgPool2d": (_lazy(nn.AvgPool2d, 2), C2),
     "AvgPool3d": (_lazy(nn.AvgPool3d, 2), C3), "MaxPool1d": (_lazy(nn.MaxPool1d, 2), C1),
     "MaxPool2d": (_lazy(nn.MaxPool2d, 2), C2), "MaxPool3d": (_lazy(nn.MaxPool3d, 2), C3),
-    "AdaptiveAvgPool1d": (_lazy(nn.AdaptiveAvgPool1d, 3), C1), "AdaptiveAvgPool2d": (_lazy(nn.AdaptiveAvgPool2d, 3), C2),
-    "AdaptiveAvgPool3d": (_lazy(nn.AdaptiveAvgPool3d, 2), C3), "AdaptiveMaxPool1d": (_lazy(nn.AdaptiveMaxPool1d, 3), C1),
-    "AdaptiveMaxPool2d": (_lazy(nn.AdaptiveMaxPool2d, 3), C2), "AdaptiveMaxPool3d": (_lazy(nn.AdaptiveMaxPool3d, 2), C3),
+    "AdaptiveAvgPool1d": (_lazy(nn.AdaptiveAvgPool1d, 3), C1),
+    "AdaptiveAvgPool2d": (_lazy(nn.AdaptiveAvgPool2d, 3), C2),
+    "AdaptiveAvgPool3d": (_lazy(nn.AdaptiveAvgPool3d, 2), C3),
+    "AdaptiveMaxPool1d": (_lazy(nn.AdaptiveMaxPool1d, 3), C1),
+    "AdaptiveMaxPool2d": (_lazy(nn.AdaptiveMaxPool2d, 3), C2),
+    "AdaptiveMaxPool3d": (_lazy(nn.AdaptiveMaxPool3d, 2), C3),
     "LPPool1d": (_lazy(nn.LPPool1d, 2, 2), C1), "LPPool2d": (_lazy(nn.LPPool2d, 2, 2), C2),
     "LPPool3d": (_lazy(nn.LPPool3d, 2, 2), C3),
     "FractionalMaxPool2d": (_lazy(nn.FractionalMaxPool2d, 2, output_size=3), C2),
     "FractionalMaxPool3d": (_lazy(nn.FractionalMaxPool3d, 2, output_size=2), C3),
     "MaxUnpool1d": (_lazy(nn.MaxUnpool1d, 2), lambda: nn.functional.max_pool1d(r(2, 3, 8), 2, return_indices=True)),
     "MaxUnpool2d": (_lazy(nn.MaxUnpool2d, 2), lambda: nn.functional.max_pool2d(r(2, 3, 6, 6), 2, return_indices=True)),
-    "MaxUnpool3d": (_lazy(nn.MaxUnpool3d, 2), lambda: nn.functional.max_pool3d(r(1, 3, 4, 4, 4), 2, return_indices=True)),
+    "MaxUnpool3d": (_lazy(nn.MaxUnpool3d, 2),
+                    lambda: nn.functional.max_pool3d(r(1, 3, 4, 4, 4), 2, return_indices=True)),
     # normalization
     "BatchNorm1d": (_lazy(nn.BatchNorm1d, 3), C1), "BatchNorm2d": (_lazy(nn.BatchNorm2d, 3), C2),
     "BatchNorm3d": (_lazy(nn.BatchNorm3d, 3), C3), "LazyBatchNorm1d": (nn.LazyBatchNorm1d, C1),
@@ -108,10 +112,12 @@ SPECS = {
     # losses
     "BCELoss": (nn.BCELoss, lambda: (torch.rand(4, 5), torch.rand(4, 5))),
     "CrossEntropyLoss": (nn.CrossEntropyLoss, lambda: (r(4, 5), ids(4))),
-    "NLLLoss": (nn.NLLLoss, lambda: (r(4, 5), ids(4))), "NLLLoss2d": (nn.NLLLoss2d, lambda: (r(2, 5, 3, 3), ids(2, 3, 3))),
+    "NLLLoss": (nn.NLLLoss, lambda: (r(4, 5), ids(4))),
+    "NLLLoss2d": (nn.NLLLoss2d, lambda: (r(2, 5, 3, 3), ids(2, 3, 3))),
     "MultiMarginLoss": (nn.MultiMarginLoss, lambda: (r(4, 5), ids(4))),
     "MultiLabelMarginLoss": (nn.MultiLabelMarginLoss, lambda: (r(4, 5), ids(4, 5))),
-    "MultiLabelSoftMarginLoss": (nn.MultiLabelSoftMarginLoss, lambda: (r(4, 5), torch.randint(0, 2, (4, 5)).float())),
+    "MultiLabelSoftMarginLoss": (nn.MultiLabelSoftMarginLoss,
+                                 lambda: (r(4, 5), torch.randint(0, 2, (4, 5)).float())),
     "CTCLoss": (nn.CTCLoss, lambda: (r(6, 2, 5).log_softmax(-1), torch.randint(1, 5, (2, 3)),
                                      torch.tensor([6, 6]), torch.tensor([3, 2]))),
     "GaussianNLLLoss": (nn.GaussianNLLLoss, lambda: (r(4, 5), r(4, 5), torch.rand(4, 5) + 0.1)),
@@ -125,10 +131,11 @@ SPECS = {
     "LinearCrossEntropyLoss": (None, None),  # filled below when torch has it
 }
 PAIR_LOSSES = ["BCEWithLogitsLoss", "HuberLoss", "L1Loss", "MSELoss", "SmoothL1Loss", "SoftMarginLoss"]
-ACTIVATIONS = ["CELU", "ELU", "GELU", "Hardshrink", "Hardsigmoid", "Hardswish", "Hardtanh", "LeakyReLU", "LogSigmoid",
-               "Mish", "RReLU", "ReLU", "ReLU6", "SELU", "SiLU", "Sigmoid", "Softplus", "Softshrink", "Softsign", "Tanh",
-               "Tanhshrink"]
-PADS = {f"{kind}Pad{d}d": d for kind in ("Circular", "Constant", "Reflection", "Replication", "Zero") for d in (1, 2, 3)}
+ACTIVATIONS = ["CELU", "ELU", "GELU", "Hardshrink", "Hardsigmoid", "Hardswish", "Hardtanh", "LeakyReLU",
+               "LogSigmoid", "Mish", "RReLU", "ReLU", "ReLU6", "SELU", "SiLU", "Sigmoid", "Softplus", "Softshrink",
+               "Softsign", "Tanh", "Tanhshrink"]
+PADS = {f"{kind}Pad{d}d": d for kind in ("Circular", "Constant", "Reflection", "Replication", "Zero")
+        for d in (1, 2, 3)}
 NOT_MODULES = {"Module": "abstract base", "Container": "deprecated base", "RNNBase": "abstract base",
                "RNNCellBase": "abstract base", "DataParallel": "a wrapper, not a layer (docs/distributed.md)",
                "ModuleDict": "container without forward", "ModuleList": "container without forward",

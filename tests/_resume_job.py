@@ -1,4 +1,5 @@
-"""Run by tests/behaviour/test_resume_bitwise.py in fresh processes: train, checkpoint at step k, resume, dump final state."""
+"""Run by tests/behaviour/test_resume_bitwise.py in fresh processes: train, checkpoint at step k, resume, dump final
+state."""
 import sys
 
 import torch

@@ -25,8 +25,9 @@ class CastCache:
     see them. So the cache is read and filled only in a thread that is inside a region: a forward of a session's
     model (``forwards``, the engine's per-thread depth) or an ``amp_patch.autocast()`` region (``regions``); it is
     dropped as each such forward starts and ends, as each region opens (the outermost) and exits (like
-    torch.autocast, which drops its cache when the outermost region exits) and at scale_loss. Anywhere else (a submodule or a model not passed to
-    initialize, called directly) casts are not cached: never stale, and nothing is kept alive.
+    torch.autocast, which drops its cache when the outermost region exits) and at scale_loss. Anywhere else (a
+    submodule or a model not passed to initialize, called directly) casts are not cached: never stale, and nothing
+    is kept alive.
     Only ``nn.Parameter`` leaves are cached (torch caches any leaf that requires grad): a fresh input leaf per
     iteration (adversarial attacks, input-gradient evaluation) is never worth keeping and would grow the cache.
     """

@@ -12,8 +12,9 @@ enclosing scope, then to the global list. ``*`` matches one path component, ``**
 
 Run time: only ops named by some scope get a dispatching wrapper, and only modules matching some glob get
 an instance ``forward`` (removed again by ``deinitialize``). It pushes/pops the scope's override table on a
-per-thread stack held in a dict keyed by thread ident, which is empty while no scoped module runs anywhere: a scoped op called outside every scoped
-module pays one truth test of that empty dict; an op no scope names pays nothing.
+per-thread stack held in a dict keyed by thread ident, which is empty while no scoped module runs anywhere: a
+scoped op called outside every scoped module pays one truth test of that empty dict; an op no scope names pays
+nothing.
 """
 import dataclasses
 import functools
@@ -144,7 +145,7 @@ class ScopeRuntime:
         """Route every module some glob matches through a scope-pushing forward (later globs override
         earlier ones for one module)."""
         for model in models:
-            for path, module, hits in matching_modules(self.scopes, model):
+            for _path, module, hits in matching_modules(self.scopes, model):
                 table = {}
                 self._module_tables.append((table, hits))
                 self._undo.append(self._wrap_forward(module, table))

@@ -4,7 +4,8 @@ The hot path is built once per patch when the op list is applied: each wrapper
 is a plain Python closure (dynamo traces those; it silently skips
 ``wrapt.FunctionWrapper``) with its caster bound as a local. Per call it does
 one ``type()`` test per argument and a dtype test per tensor (the per-thread
-switch is a truth test of a dict that is empty unless a ``disable_casts()`` region is open); the fp32 -> half cast of a weight is served from the cast cache.
+switch is a truth test of a dict that is empty unless a ``disable_casts()`` region is open); the fp32 -> half
+cast of a weight is served from the cast cache.
 """
 import copy
 import functools

@@ -24,7 +24,8 @@ CATEGORIES = ("half", "float", "promote", "sequence_promote", "banned")
 _TOP_KEYS = ("description", "schema_version", "extends", "add", "remove", "scopes") + CATEGORIES
 _ENTRY_KEYS = ("name", "optional", "min_torch", "max_torch", "message", "strict", "note")
 DEFAULT_BANNED_MESSAGE = ("{qualname} is banned under amp_patch: it is unsafe in {dtype}. "
-                          "Remove it from the op list's 'banned' category, or pass allow_banned=True to run it in float32.")
+                          "Remove it from the op list's 'banned' category, "
+                          "or pass allow_banned=True to run it in float32.")
 
 
 @dataclasses.dataclass(frozen=True)

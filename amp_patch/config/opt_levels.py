@@ -117,7 +117,8 @@ def resolve(opt_level, *, half_dtype=None, keep_fp32_modules=(), master_rounding
                           "top 16 bits of its fp32 master (float16 has other exponent bits), so the 16-bit "
                           "remainder cannot make it exact. Pass half_dtype=torch.bfloat16, or master_weights=True "
                           "for float16 with fp32 masters")
-    return Properties(opt_level=opt_level, half_dtype=half_dtype, cast_model_outputs=overrides.get("cast_model_outputs"),
+    return Properties(opt_level=opt_level, half_dtype=half_dtype,
+                      cast_model_outputs=overrides.get("cast_model_outputs"),
                       keep_fp32_modules=_check_module_types(keep_fp32_modules), master_storage=storage,
                       master_rounding=rounding, **props)
 

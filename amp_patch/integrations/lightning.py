@@ -29,7 +29,8 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test 
     from ..errors import MissingDependencyError
 
     raise MissingDependencyError(
-        f"amp_patch.integrations.lightning needs the 'lightning' package (>= 2.4), which could not be imported ({exc}); "
+        "amp_patch.integrations.lightning needs the 'lightning' package (>= 2.4), "
+        f"which could not be imported ({exc}); "
         "install it with: pip install 'amp_patch[lightning]'") from exc
 
 import amp_patch

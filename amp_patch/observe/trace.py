@@ -35,9 +35,9 @@ class Row:
     def as_dict(self):
         e = self.entry
         return {"qualname": e.qualname, "category": e.category, "source": f"{e.path}:{e.line}",
-                "scope": e.scope or "(global)", "module": self.module, "calls": self.calls, "input_dtypes": _fmt(self.input_dtypes),
-                "output_dtypes": _fmt(self.output_dtypes), "casts": self.casts, "cache_hits": self.cache_hits,
-                "cache_misses": self.cache_misses}
+                "scope": e.scope or "(global)", "module": self.module, "calls": self.calls,
+                "input_dtypes": _fmt(self.input_dtypes), "output_dtypes": _fmt(self.output_dtypes),
+                "casts": self.casts, "cache_hits": self.cache_hits, "cache_misses": self.cache_misses}
 
 
 def _fmt(counter):

@@ -259,7 +259,8 @@ def _is_sharded(model):
 
 
 def check_fsdp_at_initialize(models, props, master_weights=None):
-    """``(props, FSDP2 param groups, models to watch for a later shard)`` (see :func:`amp_patch.parallel.fsdp2.adapt_props`).
+    """``(props, FSDP2 param groups, models to watch for a later shard)``
+    (see :func:`amp_patch.parallel.fsdp2.adapt_props`).
 
     O2/O3 on a model sharded with a compatible MixedPrecisionPolicy (``amp_patch.fully_shard``): no cast and no
     master copy; other sharded models are refused at O2/O3 with the policy to use.

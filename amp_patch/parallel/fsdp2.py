@@ -199,7 +199,8 @@ def group_policy(group):
     if policy is None:
         raise TorchVersionError(f"torch {torch.__version__}: an FSDP2 param group has no mp_policy (on the group "
                                 "or its params); amp_patch reads it to check the opt level's policy. Tested: torch "
-                                f"{TESTED[0]} to {TESTED[1]}; shard with amp_patch.fully_shard and use opt_level='O1', or a "
+                                f"{TESTED[0]} to {TESTED[1]}; shard with amp_patch.fully_shard and use "
+                                "opt_level='O1', or a "
                                 "tested torch")
     return policy
 

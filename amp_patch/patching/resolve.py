@@ -142,7 +142,8 @@ def _same_named_callees(fn):
                 current = _getattr(module, ins.argval)
             else:
                 current = None
-            if current is not None and own in (str(ins.argval).lstrip("_"), getattr(current, "__name__", "").lstrip("_")):
+            if current is not None and own in (str(ins.argval).lstrip("_"),
+                                               getattr(current, "__name__", "").lstrip("_")):
                 found.append(current)
     return found
 

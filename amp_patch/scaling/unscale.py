@@ -54,7 +54,7 @@ def _any_nonfinite(groups):
     tensor holds no inf/NaN: one read pass instead of read+write. A non-finite sum may also come from finite values
     summing beyond 3.4e38, so the caller confirms a True with the exact check."""
     flags = []
-    for device, by_dtype in groups.items():
+    for _device, by_dtype in groups.items():
         sums = [t.sum(dtype=torch.float32) for tensors in by_dtype.values() for t in tensors]
         flags.append(torch.isfinite(torch.stack(sums)).all().logical_not().reshape(1))
     if len(flags) > 1:

@@ -1,4 +1,5 @@
-"""Hooks for training frameworks that own the loop (Lightning's Trainer and Fabric, see amp_patch.integrations.lightning).
+"""Hooks for training frameworks that own the loop (Lightning's Trainer and Fabric, see
+amp_patch.integrations.lightning).
 
 Such a framework wraps the model in DDP *before* it builds the optimizers, while
 amp_patch must cast the model before DDP wraps it. So the integration calls
@@ -23,8 +24,8 @@ def attach_optimizers(optimizers, *, unscale_loss_id=None):
 
     Under master weights a half param gets an fp32 master holding the exact value it had before
     ``initialize`` cast it (on the param's current device) when ``initialize`` got no optimizers; otherwise
-    (an optimizer added to a full session) its master starts from the half value. ``unscale_loss_id``: the grads now in these
-    optimizers' params come from a backward of ``loss * loss_scale(unscale_loss_id)`` run outside
+    (an optimizer added to a full session) its master starts from the half value. ``unscale_loss_id``: the grads
+    now in these optimizers' params come from a backward of ``loss * loss_scale(unscale_loss_id)`` run outside
     ``scale_loss``; they are unscaled and checked now, as a ``scale_loss`` exit would (an overflow skips the
     next ``step()``).
     """

@@ -35,7 +35,7 @@ def test_deprecated_feature_warning_is_apexs_future_warning():
         with warnings.catch_warnings():
             warnings.simplefilter("error", apex.DeprecatedFeatureWarning)
             with pytest.raises(apex.DeprecatedFeatureWarning):
-                warnings.warn("old", apex.DeprecatedFeatureWarning)
+                warnings.warn("old", apex.DeprecatedFeatureWarning, stacklevel=2)
 
 
 @pytest.mark.parametrize("cls", [fln.FusedLayerNorm, fln.MixedFusedLayerNorm, fln.FusedRMSNorm,
@@ -157,7 +157,8 @@ def test_bert_resume_and_post_accumulation_internals():
         assert stash.all_fp32_from_fp16_params == list(legacy.amp.master_params(optimizer))
         assert stash.all_fp16_params == list(model.parameters()) and stash.all_fp32_from_fp32_params == []
         with pytest.raises(AttributeError):
-            torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)._amp_stash  # not initialized
+            # not initialized: the attribute read is what raises
+            torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)._amp_stash  # noqa: B018
 
         scaler = amp_state.AMP_STATE.loss_scalers[0]
         scaler._loss_scale = 128.0

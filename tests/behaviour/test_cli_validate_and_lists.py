@@ -224,7 +224,8 @@ def test_import_reads_no_yaml_and_patches_nothing():
         _yaml.load = oplist._read_shipped = oplist._read_path = refuse
         import amp_patch.tools.cli
         assert (torch.matmul, torch.nn.functional.linear, torch.Tensor.__add__) == original
-        lazy = [m for m in ("amp_patch.tools.experiment", "amp_patch.legacy", "amp_patch.tools.trace_cli") if m in sys.modules]
+        lazy = [m for m in ("amp_patch.tools.experiment", "amp_patch.legacy", "amp_patch.tools.trace_cli")
+                if m in sys.modules]
         assert not lazy, lazy
         print("clean")
     """)

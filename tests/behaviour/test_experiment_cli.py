@@ -248,8 +248,9 @@ def test_ctrl_c_in_process_undoes_the_session_and_keeps_what_finished(tmp_path):
     from amp_patch.errors import ExperimentInterrupted
     _CALLS.clear()
     with pytest.raises(ExperimentInterrupted) as stopped:
-        amp_patch.tools.experiment.compare(tiny_model, tiny_optimizer, tiny_data, _interrupting_loss, variants="fp32,O1",
-                                     steps=5, rounds=3, batch_size=8, isolate=False, progress=False, out_dir=tmp_path)
+        amp_patch.tools.experiment.compare(tiny_model, tiny_optimizer, tiny_data, _interrupting_loss,
+                                           variants="fp32,O1", steps=5, rounds=3, batch_size=8, isolate=False,
+                                           progress=False, out_dir=tmp_path)
     assert amp_patch.session.state.current() is None  # O1's session was undone (the autouse fixture checks the patches)
     (report,) = stopped.value.reports
     fp32, o1 = report["variants"]["fp32"], report["variants"]["O1"]
@@ -275,8 +276,9 @@ def test_ctrl_c_after_a_variant_ran_all_its_rounds_leaves_it_ok(tmp_path, monkey
 
     monkeypatch.setattr(isolation.IsolatedRun, "close", close_or_ctrl_c)
     with pytest.raises(ExperimentInterrupted) as stopped:
-        amp_patch.tools.experiment.compare(tiny_model, tiny_optimizer, tiny_data, tiny_loss, variants="fp32,O1", steps=4,
-                                     rounds=2, batch_size=8, isolate=True, progress=False, out_dir=tmp_path)
+        amp_patch.tools.experiment.compare(tiny_model, tiny_optimizer, tiny_data, tiny_loss, variants="fp32,O1",
+                                           steps=4, rounds=2, batch_size=8, isolate=True, progress=False,
+                                           out_dir=tmp_path)
     (report,) = stopped.value.reports
     for name, v in report["variants"].items():
         assert v["status"] == "ok" and len(v["rounds"]) == 2 and v["steps_run"] == 4, (name, v["error"])

@@ -195,7 +195,7 @@ def test_ctrl_c_in_each_undo_step_then_a_second_deinitialize_finishes(level):
         session = _state.current()
         step = session.undo[index]
 
-        def interrupted(step=step, raised=[]):
+        def interrupted(step=step, raised=[]):  # noqa: B006 - the list is the once-flag kept across calls
             step()
             if not raised:  # once: the retry runs the step again, uninterrupted
                 raised.append(1)

@@ -63,7 +63,8 @@ def _check_all_low_halves(first_high, count):
 
 
 @pytest.mark.skipif(os.environ.get("AMP_PATCH_EXHAUSTIVE") != "1",
-                    reason="opt-in (AMP_PATCH_EXHAUSTIVE=1): 256 chunks of 2**24 patterns, 7 s each on the loaded 2-core CI box")
+                    reason="opt-in (AMP_PATCH_EXHAUSTIVE=1): 256 chunks of 2**24 patterns, "
+                           "7 s each on the loaded 2-core CI box")
 def test_split_join_over_all_2_to_32_bit_patterns():
     for first in range(0, 0x10000, 256):
         _check_all_low_halves(first, 256)
@@ -132,7 +133,7 @@ def test_the_planted_ties_matter():
 
 def test_ddp_two_ranks_remainder_is_bitwise_split(tmp_path):
     results = w.run_ranks("_remainder_jobs:ddp_modes", tmp_path, timeout=120.0)
-    for rank, rank_result in enumerate(results):
+    for _rank, rank_result in enumerate(results):
         _assert_same(rank_result["remainder"], rank_result["split"])
         for mode in ("remainder", "split"):  # rank 1 built other weights; DDP's construction gave every rank
             # rank 0's, and the masters followed it through the storage

@@ -183,8 +183,8 @@ for scopes in ({}, {"layers.*.attn": {"float": {"torch": ["bmm"]}}}):
 
 def test_compile_breaks_the_graph_once_per_scoped_call_and_nowhere_else(tmp_path):
     """docs/op_lists.md: a scoped module runs eagerly, one graph break per call; the rest compiles. Measured in a
-    fresh interpreter, away from what earlier tests left in dynamo (tests/behaviour/test_compile_keeps_casts.py covers the process
-    group that once made every later session break the graph)."""
+    fresh interpreter, away from what earlier tests left in dynamo (tests/behaviour/test_compile_keeps_casts.py
+    covers the process group that once made every later session break the graph)."""
     assert run_python(_EXPLAIN, tmp_path)[:2] == ["breaks 0 graphs 1", "breaks 2 graphs 3"]
 
 

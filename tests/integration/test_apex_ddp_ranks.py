@@ -1,4 +1,5 @@
-"""O2 masters agree across DDP ranks built from different seeds (2 gloo ranks, 3 steps), and\nApex's SyncBatchNorm under plain torch DDP on CPU."""
+"""O2 masters agree across DDP ranks built from different seeds (2 gloo ranks, 3 steps), and
+Apex's SyncBatchNorm under plain torch DDP on CPU."""
 import _dist_worker as w
 import pytest
 import torch

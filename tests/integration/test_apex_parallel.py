@@ -154,7 +154,7 @@ def test_ddp_gradient_arithmetic_on_two_ranks(two):
     for rank in two:
         for i, cfg in enumerate(DDP_CONFIGS):
             for got, want in zip(rank["ddp"][i], expected[i]):
-                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m: f"{cfg}: {m}")
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m, cfg=cfg: f"{cfg}: {m}")
 
 
 def test_flat_dist_call_averages_and_broadcasts_and_reducer_averages(two):

@@ -253,7 +253,8 @@ def test_fsdp2_o1_after_sharding_follows_fp32(fsdp, variant, tol):
 @pytest.mark.parametrize("variant", ["O1 fp16 inf", "O0 policy fp16 inf"])
 def test_fsdp2_one_rank_inf_skips_on_both(fsdp, variant):
     """Each rank checks only its own shard of the grads; agree_overflow makes both skip the step. O0 + FSDP2's
-    MixedPrecisionPolicy(param_dtype=fp16) + loss_scale="dynamic" still works (O2 on FSDP2: tests/integration/test_fsdp2.py)."""
+    MixedPrecisionPolicy(param_dtype=fp16) + loss_scale="dynamic" still works (O2 on FSDP2:
+    tests/integration/test_fsdp2.py)."""
     for rank in fsdp:
         assert rank[variant]["skipped"] == [False, True, False, False]
     assert_same(fsdp[0][variant]["params"], fsdp[1][variant]["params"])
@@ -353,7 +354,7 @@ def test_threads_run_forward_and_backward_of_one_o1_model_at_once():
 
         def work(k):
             for i in range(k, len(inputs), n_threads):
-                results[i] = fwd_bwd(inputs[i])
+                results[i] = fwd_bwd(inputs[i])  # noqa: B023 - called within the iteration
         run_threads(work)
         for i, (out, grads) in enumerate(reference):
             assert results[i][0].dtype is w.HALF and torch.equal(results[i][0], out), (round_, i)

@@ -182,7 +182,8 @@ def _check(argv, where):
     script, args = (argv[1], argv[2:]) if argv[0] in PYTHONS and len(argv) > 1 else (argv[0], argv[1:])
     if script.startswith("examples/") and script.endswith(".py"):
         return _parse(_example_parser(script, where), args, where, script)
-    pytest.fail(f"{where}: `{shlex.join(argv)}`: no parser known for this program; teach tests/integration/test_doc_commands.py "
+    pytest.fail(f"{where}: `{shlex.join(argv)}`: no parser known for this program; "
+                "teach tests/integration/test_doc_commands.py "
                 "(or list it in NOT_OURS if it is another tool's)")
 
 

@@ -11,14 +11,13 @@ Conventions, for whoever writes docs (an HTML comment on the line just before th
   must be the function's;
 - ``<!-- snippet: no-run (why) -->``: not run; the reason is required.
 
-``bash`` blocks are not run: tests/integration/test_doc_commands.py parses each of their commands with its program's real
-argument parser (and runs the cheap ones). Other languages (text) are not checked.
+``bash`` blocks are not run: tests/integration/test_doc_commands.py parses each of their commands with its program's
+real argument parser (and runs the cheap ones). Other languages (text) are not checked.
 Each block runs in a temporary working directory, and amp_patch is deinitialized (and the apex alias removed)
 afterwards.
 """
 import inspect
 import re
-from pathlib import Path
 
 import pytest
 import torch

@@ -41,7 +41,8 @@ def _vit():
     model = transformers.ViTForImageClassification(cfg)
 
     def batch(g):
-        return {"pixel_values": torch.randn(4, 3, 16, 16, generator=g), "labels": torch.randint(0, 5, (4,), generator=g)}
+        return {"pixel_values": torch.randn(4, 3, 16, 16, generator=g),
+                "labels": torch.randint(0, 5, (4,), generator=g)}
     return model, batch
 
 

@@ -210,7 +210,8 @@ _CUDA_TABLES = ("torch_fp16", "nn_fp16", "linalg_fp16", "methods_fp16", "torch_f
 def _policy_ops(dispatch_key):
     """The ops of native autocast's policy for ``dispatch_key``. For CUDA: this build's registrations, the ops of
     torch's own CUDA test tables and the CUDA-build-only registrations, so a CPU build checks what a GPU runs."""
-    ops = {r.split("::", 1)[1].split(".")[0] for r in torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key)}
+    ops = {r.split("::", 1)[1].split(".")[0]
+           for r in torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key)}
     if dispatch_key == "AutocastCUDA":
         ops |= CUDA_BUILD_ONLY | {entry[0] for name in _CUDA_TABLES for entry in getattr(CUDA_LISTS, name)}
     return ops
@@ -230,7 +231,8 @@ def _candidate_entries(base):
 def test_every_registered_autocast_op_is_listed(list_name, dispatch_key):
     table = amp_patch.load_op_lists(list_name)
     listed = {(e.target, e.name) for e in table.entries}
-    missing = sorted(op for op in _policy_ops(dispatch_key) - _NO_PYTHON_BINDING if not (_candidate_entries(op) & listed))
+    missing = sorted(op for op in _policy_ops(dispatch_key) - _NO_PYTHON_BINDING
+                     if not (_candidate_entries(op) & listed))
     assert not missing, f"{list_name} lacks the aten ops {missing}"
 
 

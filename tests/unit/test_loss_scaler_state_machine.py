@@ -452,7 +452,8 @@ def test_bad_loss_scale(value, pattern):
     (dict(growth_factor=1.0), r"growth_factor=1.0 is not valid"),
     (dict(backoff_factor=2.0), r"backoff_factor=2.0 is not valid: expected a number strictly between 0 and 1"),
     (dict(backoff_factor=0), r"backoff_factor=0 is not valid"),
-    (dict(backoff_factor="0.5"), r"backoff_factor='0.5' is not valid: expected a number strictly between 0 and 1.*, got str"),
+    (dict(backoff_factor="0.5"), r"backoff_factor='0.5' is not valid: expected a number strictly between 0 and 1"
+                                 r".*, got str"),
     (dict(min_loss_scale=2.0 ** 20, max_loss_scale=2.0 ** 10), r"min_loss_scale=1048576.0 is greater than "
                                                                 r"max_loss_scale=1024.0"),
     (dict(min_loss_scale=0.0), r"min_loss_scale=0.0 is not valid"),

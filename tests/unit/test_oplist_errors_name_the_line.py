@@ -678,7 +678,8 @@ def test_min_torch_in_the_future_is_skipped(tmp_path):
 
 
 def test_min_torch_int_and_past_version_load(tmp_path):
-    table = _load_text(tmp_path, 'half:\n  torch:\n    - {name: mm, min_torch: 2}\n    - {name: bmm, min_torch: "2.1"}\n')
+    table = _load_text(tmp_path, 'half:\n  torch:\n    - {name: mm, min_torch: 2}\n'
+                                 '    - {name: bmm, min_torch: "2.1"}\n')
     assert table.category_of("torch", "mm") == "half" and table.category_of("torch", "bmm") == "half"
 
 

@@ -1,6 +1,7 @@
 """Hostile or mistaken op lists: limits, non-op torch callables, imports, symlink cycles, syntax-error lines.
 
-Limits and the depth case live in test_oplist_errors_name_the_line.py's table; this module covers what a table row cannot.
+Limits and the depth case live in test_oplist_errors_name_the_line.py's table; this module covers what a table row
+cannot.
 """
 import importlib
 import sys

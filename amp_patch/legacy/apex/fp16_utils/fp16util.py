@@ -41,7 +41,7 @@ def convert_module(module, dtype):
             param.data = param.data.to(dtype=dtype)
             if param.grad is not None and param.grad.is_floating_point():
                 param.grad.data = param.grad.data.to(dtype=dtype)
-    for name, buf in module.named_buffers(recurse=False):
+    for _name, buf in module.named_buffers(recurse=False):
         if buf is not None and buf.is_floating_point():
             buf.data = buf.data.to(dtype=dtype)
 

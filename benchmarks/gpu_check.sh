@@ -36,7 +36,7 @@ step() {  # step NAME SECONDS COMMAND...: run one capped part, its output in $ou
 
 step device 60 "$py" -c "
 import sys, torch, amp_patch
-from amp_patch import torch_compat
+from amp_patch._torch import compat as torch_compat
 cuda = torch.cuda.is_available()
 print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda,
       '| device', torch.cuda.get_device_name(0) if cuda else 'none (CUDA hidden or absent)')

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _MISSING = object()
 TESTS = Path(__file__).resolve().parent  # tests/: the support modules and scripts live here
 REPO = TESTS.parent
+LAYERS = ("unit", "behaviour", "integration", "oracle")  # tests/ folders; each test file's own is on sys.path
 
 
 def leaks_of(snapshot):
@@ -122,10 +123,11 @@ def run_killing_group(cmd, cwd, env=None, timeout=120, scale=True):
 
 
 def run_python(code, tmp_path, timeout=180):
-    """Run ``code`` in a fresh interpreter (tests/ and the checkout on sys.path, cwd tmp_path); return its stdout
-    lines, failing the test with its stderr when it exits non-zero."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    """Run ``code`` in a fresh interpreter (tests/, its layer folders and the checkout on sys.path, cwd tmp_path);
+    return its stdout lines, failing the test with its stderr when it exits non-zero."""
+    layers = [str(TESTS / layer) for layer in LAYERS]
+    path = [str(TESTS), *layers, str(REPO), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     proc = run_killing_group([sys.executable, "-c", code], tmp_path, env, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.splitlines()

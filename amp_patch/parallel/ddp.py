@@ -172,7 +172,7 @@ def check_unscale_inside_no_sync(model, delay_unscale):
 
 def track_no_sync(session):
     """Patch ``DistributedDataParallel.no_sync`` to count, in ``session.no_sync_depth``, the open ``no_sync()``
-    regions; returns the undo callable.
+    regions; the undo goes on ``session.undo`` before the patch is installed (a Ctrl-C in between leaves nothing).
 
     Under master weights a non-delayed ``scale_loss`` exit would move the local grads out of ``param.grad``
     before DDP's next synced backward reduces them. While a region is open, ``scale_loss`` leaves them scaled in
@@ -180,7 +180,7 @@ def track_no_sync(session):
     or ``model=`` accumulate correctly. Counting every DDP module is safe: a deferred unscale is finished by
     the next non-delayed exit or by ``step()``.
     """
-    return _patch_ddp("no_sync", lambda original: _counting_no_sync(original, session))
+    _patch_ddp(session, "no_sync", lambda original: _counting_no_sync(original, session))
 
 
 def follow_ddp_broadcast(session):
@@ -191,19 +191,20 @@ def follow_ddp_broadcast(session):
     e.g. NVIDIA's BERT pre-training, then train different weights per rank). Apex made its masters at the first
     backward, after that broadcast; here, right after DDP's own broadcast, the masters of the wrapped module's
     params are broadcast from the same source rank (collective, as DDP's construction is), and the half params
-    re-cast from them. Nothing happens for ``init_sync=False`` (DDP broadcasts nothing then). Returns the undo.
+    re-cast from them. Nothing happens for ``init_sync=False`` (DDP broadcasts nothing then). The undo goes on
+    ``session.undo``.
     """
-    return _patch_ddp("__init__", lambda original: _syncing_init(original, session))
+    _patch_ddp(session, "__init__", lambda original: _syncing_init(original, session))
 
 
-def _patch_ddp(name, make_replacement):
-    """Patch ``DistributedDataParallel.<name>`` for the session; returns the undo (a no-op without
-    torch.distributed)."""
+def _patch_ddp(session, name, make_replacement):
+    """Patch ``DistributedDataParallel.<name>`` for the session (nothing without torch.distributed); its undo is on
+    ``session.undo`` first, so an interrupt right after the install leaves nothing behind."""
     if not torch.distributed.is_available():
-        return lambda: None
+        return
     patcher = Patcher()
+    session.undo.append(patcher.restore_all)
     patcher.install(torch.nn.parallel.DistributedDataParallel, name, make_replacement)
-    return patcher.restore_all
 
 
 def _syncing_init(original, session):

@@ -192,8 +192,8 @@ def _link_masters(session):
     for patch in session.model_patches:
         patch.link_state_dict({**session.fp32_data, **masters}, to_model)
     if masters:
-        session.undo.append(distributed.track_no_sync(session))
-        session.undo.append(distributed.follow_ddp_broadcast(session))  # DDP built later: masters follow rank 0
+        distributed.track_no_sync(session)
+        distributed.follow_ddp_broadcast(session)  # DDP built later: masters follow rank 0
 
 
 def _model_rounding(session):

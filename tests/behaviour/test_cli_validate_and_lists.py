@@ -218,7 +218,7 @@ def test_import_reads_no_yaml_and_patches_nothing():
         import sys
         import torch
         original = torch.matmul, torch.nn.functional.linear, torch.Tensor.__add__
-        from amp_patch.casting import _yaml, oplist
+        from amp_patch.config import _yaml, oplist
         def refuse(*args, **kwargs):
             raise SystemExit("YAML read at import time")
         _yaml.load = oplist._read_shipped = oplist._read_path = refuse

@@ -24,7 +24,7 @@ def test_compiled_o1_matches_eager_dtypes_without_graph_breaks(half):
 
 
 _AFTER_A_PROCESS_GROUP = """
-import os, torch, torch.distributed as dist, amp_patch, test_scopes as t
+import os, torch, torch.distributed as dist, amp_patch, test_scoped_op_lists as t
 # init_process_group clears dynamo's table of torch functions; a compile inside a session then rebuilt it from
 # amp_patch's wrappers, and every later session broke the graph at each patched call
 dist.init_process_group("gloo", init_method="file://" + os.path.join(os.getcwd(), "store"), rank=0, world_size=1)

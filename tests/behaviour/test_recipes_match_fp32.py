@@ -1,4 +1,5 @@
-"""The recipes of docs/recipes.md, each checked against an fp32 reference (tolerances as in test_scaling)."""
+"""The recipes of docs/recipes.md, each checked against an fp32 reference (tolerances as in
+test_loss_scaling_end_to_end)."""
 import pytest
 import torch
 import torch.nn.functional as F

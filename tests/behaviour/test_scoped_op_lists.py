@@ -169,7 +169,7 @@ def test_compiled_model_keeps_the_scope_dtypes():
 
 
 _EXPLAIN = """
-import sys, torch, amp_patch, test_scopes as t
+import sys, torch, amp_patch, test_scoped_op_lists as t
 for scopes in ({}, {"layers.*.attn": {"float": {"torch": ["bmm"]}}}):
     model = t._init(t.Net(), scopes)
     try:
@@ -228,7 +228,7 @@ def test_a_glob_matching_no_module_warns_at_initialize_and_fails_validate_job(tm
         amp_patch.deinitialize()
     assert "'layers.*.atn'" in caplog.text and "matches no module" in caplog.text
     jobs = tmp_path / "scope_jobs.py"
-    jobs.write_text("import torch\nfrom test_scopes import Net\n\ndef job():\n    return {'model_fn': Net, "
+    jobs.write_text("import torch\nfrom test_scoped_op_lists import Net\n\ndef job():\n    return {'model_fn': Net, "
                     "'optimizer_fn': torch.optim.SGD, 'data_fn': torch.randn, 'loss_fn': torch.add}\n")
     good, typo = tmp_path / "good.yaml", tmp_path / "typo.yaml"
     good.write_text('extends: apex\nscopes:\n  "layers.*.attn":\n    float:\n      torch: [bmm]\n')

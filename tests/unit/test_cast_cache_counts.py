@@ -77,7 +77,7 @@ def _three_linears(m, x):
 def test_grad_entry_may_serve_a_no_grad_call(model):
     m, _, _ = model
     x = torch.randn(2, 4)
-    with amp_patch.autocast():  # (outside a forward or a region nothing is cached: see test_cast_cache_scope)
+    with amp_patch.autocast():  # (outside a forward or a region nothing is cached: see test_cast_cache_regions)
         _three_linears(m, x)
         with CountCasts() as counter, torch.no_grad():
             _three_linears(m, x)

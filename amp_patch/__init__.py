@@ -55,6 +55,16 @@ def doctor(job, *, opt_level="O1", half_dtype=torch.float16, steps=40, op_lists=
     return run(job, opt_level=opt_level, half_dtype=half_dtype, steps=steps, op_lists=op_lists, out=out)
 
 
+def speed_report(job, *, opt_level="O1", half_dtype=torch.bfloat16, steps=20, device="cpu", seed=0):
+    """Rank what holds ``job``'s training step back (data wait, host syncs, layer sizes, DataParallel, casts,
+    optimizer, hardware), each with its measured figure and fix.
+
+    See :func:`amp_patch.tools.speed.speed_report` (imported on first call: importing amp_patch stays cheap).
+    """
+    from .tools.speed import speed_report as run
+    return run(job, opt_level=opt_level, half_dtype=half_dtype, steps=steps, device=device, seed=seed)
+
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -64,5 +74,5 @@ __all__ = [
     "half_function", "promote_function", "register_float_function", "register_half_function",
     "register_promote_function", "initialize", "deinitialize", "clear_cache", "scale_loss", "master_params",
     "state_dict", "load_state_dict", "last_step_skipped", "loss_scale", "attach_optimizers", "next_step_skipped",
-    "trace", "history", "last_overflow", "doctor", "fully_shard", "__version__",
+    "trace", "history", "last_overflow", "doctor", "speed_report", "fully_shard", "__version__",
 ]

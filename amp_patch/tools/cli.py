@@ -34,6 +34,7 @@ HOOKS = {
     "run": "amp_patch.legacy",             # amp-patch run train.py: run an Apex script unchanged
     "trace": "amp_patch.tools.trace_cli",        # amp-patch trace: which ops ran in which dtype
     "doctor": "amp_patch.tools.doctor",         # amp-patch doctor: the op behind overflow, and its op-list fix
+    "speed": "amp_patch.tools.speed",           # amp-patch speed: what holds a training step back, and the fixes
 }
 
 

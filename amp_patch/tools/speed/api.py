@@ -1,0 +1,39 @@
+"""``speed_report(job, ...)``: run the job's steps with light instrumentation and rank what holds them back."""
+import statistics
+
+import torch
+
+from ...errors import ConfigError, UsageError
+from ...session import state as _state
+from .. import machine
+from ..experiment.api import make_config
+from ..experiment.models import as_job, load_job
+from .findings import Context, findings
+from .harness import MIN_STEPS, PHASES, Harness, watched_modules
+from .report import SpeedReport
+
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+
+
+def speed_report(job, *, opt_level="O1", half_dtype=torch.bfloat16, steps=20, device="cpu", seed=0):
+    """Train ``job`` (a Job, a job dict/object or a ``module:function`` string: the experiment's convention)
+    for ``steps`` steps under ``opt_level`` and return a :class:`SpeedReport` of the causes that hold the step
+    back, ranked by the step time they cost (see :mod:`amp_patch.tools.speed`)."""
+    if opt_level not in OPT_LEVELS:
+        raise ConfigError(f"opt_level={opt_level!r}; allowed: {', '.join(OPT_LEVELS)}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < MIN_STEPS:
+        raise ConfigError(f"steps={steps!r}; pass an integer >= {MIN_STEPS} (warm-up, probe, plain and timed "
+                          "steps)")
+    config = make_config(steps, half_dtype, device, seed)
+    if _state.current() is not None:
+        raise UsageError("an amp_patch session is active; call amp_patch.deinitialize() before speed_report "
+                         "(it initializes the job's model itself)")
+    spec = job if isinstance(job, str) else None
+    loaded = load_job(job) if spec is not None else as_job(job)
+    ctx = Context(job=spec or loaded.name, opt_level=opt_level, half_dtype=config.half_dtype, device=config.device)
+    m = Harness(loaded, spec or loaded.name, config, opt_level, watched_modules(ctx.half)).run()
+    step_ms = m.step_ms()
+    return SpeedReport(job=ctx.job, opt_level=opt_level, half_dtype=str(config.half_dtype).removeprefix("torch."),
+                       device=config.device, steps=steps, step_ms=step_ms, machine=machine.describe(config.device),
+                       findings=findings(m, ctx), phases={p: m.phase_share(p) for p in PHASES},
+                       overhead=m.overhead(), probe_overhead=statistics.median(m.probe_ms) / step_ms - 1.0)

@@ -1,0 +1,214 @@
+"""From measurements to findings: one per cause that is there, each with its share of the step, where it happens,
+the measured figure and a written fix, ranked by what they cost.
+
+Findings whose cost this run cannot measure come first, with ``share`` None: ``hardware`` (no half-precision
+hardware: no speed-up at all), then, on the CPU, ``data_parallel`` and ``host_sync`` (they cost nothing there yet,
+and a step on a GPU waits for them); then the others by their share of the step time. A cause below its threshold
+(:data:`THRESHOLDS`) is not reported.
+"""
+import dataclasses
+import inspect
+import os
+
+import torch
+from torch import nn
+
+from .. import machine
+from .shapes import misaligned
+
+#: the share of the step time from which a cause is reported
+THRESHOLDS = {"data_loading": 0.15, "casts": 0.10, "optimizer": 0.25, "alignment": 0.01}
+_FIRST = ("hardware", "data_parallel", "host_sync")
+
+
+@dataclasses.dataclass
+class Finding:
+    """One cause: ``kind``, ``share`` of the step time (None where the cost is not a part of the step),
+    ``where`` it happens, the measured ``figure`` and the ``fix``."""
+
+    kind: str
+    share: object
+    where: str
+    figure: str
+    fix: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What the findings need besides the measurements."""
+
+    job: str  # the --job spec or the job's name, for the commands a fix names
+    opt_level: str
+    half_dtype: torch.dtype
+    device: str
+
+    @property
+    def half(self):
+        return self.opt_level != "O0"
+
+    @property
+    def cuda(self):
+        return torch.device(self.device).type == "cuda"
+
+
+def findings(m, ctx):
+    """The ranked findings of measurements ``m``."""
+    found = [f for make in (hardware, data_parallel, data_loading, host_sync, alignment, casts, optimizer)
+             if (f := make(m, ctx)) is not None]
+    return sorted(found, key=lambda f: (f.share is not None, _FIRST.index(f.kind) if f.share is None else 0,
+                                        -(f.share or 0.0)))
+
+
+def _pct(share):
+    return f"{share:.0%}" if share >= 0.01 else f"{share:.1%}"
+
+
+def hardware(m, ctx):
+    if not ctx.half:
+        return None
+    reading = machine.half_hardware(ctx.device, ctx.half_dtype)
+    if reading.native:
+        return None
+    other = torch.bfloat16 if ctx.half_dtype == torch.float16 else torch.float16
+    alt = machine.half_hardware(ctx.device, other)
+    instead = (f"use half_dtype={other} (it runs on hardware here: {alt.evidence})" if alt.native else
+               "stay with fp32 (O0) on this machine and use mixed precision where the hardware has it "
+               "(a GPU of compute capability 7.0 or later, a CPU with AVX-512 BF16/AMX)")
+    return Finding("hardware", None, f"{reading.device} ({machine.describe(ctx.device)})",
+                   reading.sentence() + ": no speed-up is possible from it",
+                   f"{reading.dtype} cannot make this job faster on this machine: {instead}.")
+
+
+def data_parallel(m, ctx):
+    wrappers = [(n, mod) for n, mod in m.model.named_modules() if isinstance(mod, nn.DataParallel)]
+    if not wrappers:
+        return None
+    name, wrapper = wrappers[0]
+    label = name or "model"
+    outer, inner = m.module_s.get(label, []), m.module_s.get(f"{name}.module" if name else "module", [])
+    outside = m.per_step_ms([max(a - b, 0.0) for a, b in zip(outer, inner)])
+    devices = len(wrapper.device_ids or [])
+    share = outside / m.step_ms() if ctx.cuda else None
+    return Finding("data_parallel", share, f"{label} ({type(wrapper).__name__} over {devices} device(s))",
+                   "nn.DataParallel drives every device from one process: each step scatters the batch, "
+                   "replicates the model and gathers the outputs" + (f" ({outside:.2f} ms per step here, "
+                   f"{_pct(share)} of the step, outside the wrapped module)" if share is not None else
+                   " (on the CPU it wraps nothing yet; on GPUs that costs every step)"),
+                   "use torch.nn.parallel.DistributedDataParallel, one process per GPU (torchrun); amp_patch "
+                   "supports it with every opt level (docs/distributed.md): initialize the model, then wrap it "
+                   "in DDP.")
+
+
+def data_loading(m, ctx):
+    share = m.phase_share("data")
+    if share < THRESHOLDS["data_loading"]:
+        return None
+    loader = m.loader
+    workers = getattr(loader, "num_workers", None)
+    wait = m.phase_ms_median("data")
+    built = "the job's DataLoader" if m.loader is m.data else "the DataLoader the report built from the job's " \
+        "Dataset (as the experiment does)"
+    where = f"{built}: {_loader_text(loader)}"
+    fix = (f"build the batches in worker processes: return a DataLoader from data_fn with num_workers=4 (up to the "
+           f"{os.cpu_count()} CPUs here)" if not workers else
+           f"the {workers} workers do not keep up: raise num_workers, or make the Dataset's __getitem__ cheaper "
+           "(decode or augment once, ahead of training)")
+    if ctx.cuda:  # untested: no CUDA on the machine this was written on
+        fix += ", with pin_memory=True (faster, asynchronous copies to the GPU) and persistent_workers=True"
+    return Finding("data_loading", share, where,
+                   f"{wait:.2f} ms of each step waiting for the next batch ({_pct(share)} of the step time)",
+                   fix + ".")
+
+
+def _loader_text(loader):
+    if loader is None:
+        return "unknown loader"
+    dataset = getattr(loader, "dataset", None)
+    source = ""
+    getitem = getattr(type(dataset), "__getitem__", None)
+    try:
+        source = f" ({inspect.getsourcefile(getitem)}:{inspect.getsourcelines(getitem)[1]})"
+    except (TypeError, OSError):
+        pass
+    return (f"{type(loader).__name__}(num_workers={getattr(loader, 'num_workers', '?')}, "
+            f"pin_memory={getattr(loader, 'pin_memory', '?')}) over {type(dataset).__name__}{source}")
+
+
+def host_sync(m, ctx):
+    if not m.host_reads:
+        return None
+    per_step = sum(m.host_reads.values()) / m.probe_steps
+    ranked = sorted(m.host_reads.items(), key=lambda item: -item[1])
+    sites = ", ".join(f"{what} at {site} ({count / m.probe_steps:g}x)" for (site, what), count in ranked[:3])
+    more = f" and {len(ranked) - 3} more" if len(ranked) > 3 else ""
+    share = m.share(m.host_read_s) if ctx.cuda else None
+    cuda = (f"; torch.cuda sync debug mode saw {m.cuda_syncs / m.probe_steps:g} syncs per step"
+            if m.cuda_syncs is not None else "; on the CPU nothing waits, but on a GPU each one stalls until "
+            "all queued work is done")
+    return Finding("host_sync", share, ranked[0][0][0],
+                   f"{per_step:g} host read(s) of tensor values per step: {sites}{more}{cuda}",
+                   "keep values on the device inside the step: accumulate losses and metrics as tensors and read "
+                   "them (.item(), print) every N steps, replace `if tensor:` by torch.where or masking, and "
+                   "build tensors on the device rather than from Python numbers read back.")
+
+
+def alignment(m, ctx):
+    if not ctx.half:
+        return None
+    layers = [(name, mod, misaligned(mod)) for name, mod in m.model.named_modules() if misaligned(mod)]
+    if not layers:
+        return None
+    per_probe = zip(*(m.module_s.get(name or "model", [0.0]) for name, _, _ in layers))
+    share = 3 * m.share([sum(step) for step in per_probe])  # forward measured; backward taken as twice the forward
+    if share < THRESHOLDS["alignment"]:
+        return None
+    dtype = str(ctx.half_dtype).removeprefix("torch.")
+    named = [f"{name or 'model'} ({type(mod).__name__}: "
+             + ", ".join(f"{attr}={size}" for attr, size, _ in bad) + ")" for name, mod, bad in layers]
+    pads = [f"{name or 'model'}: " + ", ".join(f"{attr} {size} -> {pad}" for attr, size, pad in bad)
+            for name, _, bad in layers]
+    more = f" and {len(layers) - 3} more" if len(layers) > 3 else ""
+    return Finding("alignment", min(share, 1.0), "; ".join(named[:3]) + more,
+                   f"{len(layers)} layer(s) in {dtype} with sizes not multiples of 8; their forward and backward "
+                   f"take about {_pct(min(share, 1.0))} of the step (forward measured, backward estimated as twice "
+                   "the forward)",
+                   f"pad the sizes to multiples of 8 so {dtype} matmuls use tensor cores: " + "; ".join(pads[:3])
+                   + more + " (pad a vocabulary or class count and ignore the extra outputs).")
+
+
+def casts(m, ctx):
+    if not ctx.half or not m.casts:
+        return None
+    share = m.share(m.cast_s)
+    if share < THRESHOLDS["casts"]:
+        return None
+    weights = m.weight_casts / m.probe_steps
+    fix = (f"O1 casts the weights again every step ({weights:g} weight casts per step): O2 keeps the model's "
+           "weights in half and casts none of them per step; compare them with `amp-patch experiment --job "
+           f"{ctx.job} --variants fp32,O1,O2`. " if ctx.opt_level == "O1" and weights else "")
+    fix += ("For activations cast back and forth, `amp-patch trace` shows which ops cast; putting neighbouring "
+            "ops in the same category of an op list (initialize(op_lists=...), compared with the experiment's "
+            "--op-lists) removes the round trips.")
+    return Finding("casts", share, f"{ctx.opt_level} casting ({m.casts / m.probe_steps:g} casts per step)",
+                   f"{m.per_step_ms(m.cast_s):.2f} ms of each step in dtype casts ({_pct(share)}), "
+                   f"{m.casts / m.probe_steps:g} casts per step, {weights:g} of them of weights", fix)
+
+
+def optimizer(m, ctx):
+    share = m.phase_share("optimizer")
+    if share < THRESHOLDS["optimizer"]:
+        return None
+    opt = m.optimizer
+    name = type(opt).__name__
+    params = inspect.signature(type(opt).__init__).parameters
+    options = opt.defaults
+    if "fused" in params and not options.get("fused"):
+        fix = f"torch.optim.{name}(..., fused=True) runs the whole update as one kernel per dtype and device"
+    elif "foreach" in params and not options.get("foreach"):
+        fix = f"torch.optim.{name}(..., foreach=True) updates all parameters in a few batched kernels"
+    else:
+        fix = f"{name} has no fused or foreach variant here; an optimizer with one (AdamW, SGD) steps faster"
+    count = sum(len(g["params"]) for g in opt.param_groups)
+    return Finding("optimizer", share, f"{name}.step() over {count} parameter tensor(s)",
+                   f"{m.phase_ms_median('optimizer'):.2f} ms of each step in optimizer.step() "
+                   f"({_pct(share)})", fix + ".")

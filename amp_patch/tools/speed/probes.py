@@ -1,0 +1,164 @@
+"""What the speed report measures on its probe steps: host reads of tensor values, dtype casts, module times.
+
+Each probe is a context manager that undoes itself exactly on exit, and is active only around the probe steps
+(whose times are not the report's step times):
+
+- :class:`HostReads` patches the ``torch.Tensor`` methods that read a value on the host (``.item()``,
+  ``.tolist()``, ``.cpu()``, ``.numpy()``, ``bool()``/``int()``/``float()`` on a tensor, printing or formatting
+  one) through a :class:`~amp_patch.patching.patcher.Patcher` (so the registry lists them while they are
+  installed) and records each call made from the user's code with its ``file:line``. On the CPU nothing waits,
+  but each is a device sync once the job runs on a GPU: the advice holds before the job gets there.
+- :class:`CastTimer` counts and times every dtype cast (``aten._to_copy`` with a new dtype) in a dispatch mode.
+- :class:`ModuleTimer` times the forward of chosen modules with forward hooks.
+"""
+import contextlib
+import os
+import sys
+import sysconfig
+import threading
+import time
+
+import torch
+
+from ...patching.patcher import Patcher
+from ..experiment.variants import CastCounter, count_syncs
+
+#: Tensor methods that read a tensor's value on the host (a device sync on CUDA), with the name the report uses.
+HOST_READS = {"item": ".item()", "tolist": ".tolist()", "cpu": ".cpu()", "numpy": ".numpy()",
+              "__bool__": "bool(tensor)", "__int__": "int(tensor)", "__float__": "float(tensor)",
+              "__repr__": "printing a tensor", "__format__": "formatting a tensor"}
+_TO_COPY = torch.ops.aten._to_copy.default
+_TORCH_DIR = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "")
+_NOT_USER = tuple(os.path.join(os.path.abspath(p), "") for p in {
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), sysconfig.get_paths()["stdlib"]})
+
+
+def user_site(frame):
+    """``file:line`` of the caller outside torch when it is the user's code (not amp_patch, not the stdlib)."""
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    path = frame.f_code.co_filename
+    if path.startswith("<") or os.path.abspath(path).startswith(_NOT_USER):
+        return None
+    cwd = os.path.join(os.getcwd(), "")
+    shown = os.path.relpath(path) if os.path.abspath(path).startswith(cwd) else path
+    return f"{shown}:{frame.f_lineno}"
+
+
+class HostReads:
+    """Records host reads of tensor values made by the user's code while active: ``sites`` maps
+    ``(file:line, what)`` to the number of calls; ``seconds`` is their total time (the wait, on CUDA)."""
+
+    def __init__(self, device="cpu"):
+        self.device = device
+        self.sites = {}
+        self.seconds = 0.0
+        self.cuda_syncs = None  # what torch.cuda.set_sync_debug_mode saw (CUDA only)
+        self._patcher = Patcher()
+        self._busy = False
+        self._thread = None
+        self._syncs = None
+
+    def __enter__(self):
+        self._thread = threading.get_ident()
+        try:
+            for name, what in HOST_READS.items():
+                self._patcher.install(torch.Tensor, name, lambda original, what=what: self._wrap(original, what))
+            self._syncs = contextlib.ExitStack()
+            self.cuda_syncs = self._syncs.enter_context(count_syncs(self.device))  # untested: no CUDA here
+        except BaseException:
+            self._patcher.restore_all()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self._syncs.close()
+        finally:
+            self._patcher.restore_all()
+        return False
+
+    def _wrap(self, original, what):
+        def host_read(*args, **kwargs):
+            if self._busy or threading.get_ident() != self._thread:
+                return original(*args, **kwargs)  # a read inside a read (printing calls .tolist()), or a worker
+            site = user_site(sys._getframe(1))
+            self._busy = True
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._busy = False
+                if site is not None:
+                    self.seconds += time.perf_counter() - start
+                    self.sites[(site, what)] = self.sites.get((site, what), 0) + 1
+        host_read.__name__ = getattr(original, "__name__", what)
+        host_read.__doc__ = getattr(original, "__doc__", None)
+        return host_read
+
+
+class CastTimer(CastCounter):
+    """:class:`~amp_patch.tools.experiment.variants.CastCounter` that counts only dtype changes and times them."""
+
+    def __init__(self, params=(), cuda=False):
+        super().__init__(params)
+        self.seconds = 0.0
+        self._cuda = cuda
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not _TO_COPY or not args or kwargs.get("dtype") in (None, getattr(args[0], "dtype", None)):
+            return func(*args, **kwargs)
+        if self._cuda:  # untested: no CUDA on the machine this was written on
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self._cuda:
+            torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+class ModuleTimer:
+    """Total forward seconds of each module in ``modules`` ({name: module}) while active: ``seconds[name]``."""
+
+    def __init__(self, modules, cuda=False):
+        self.modules = modules
+        self.seconds = dict.fromkeys(modules, 0.0)
+        self._cuda = cuda
+        self._handles = []
+        self._started = {}
+
+    def __enter__(self):
+        try:
+            for name, module in self.modules.items():
+                self._handles.append(module.register_forward_pre_hook(self._pre(name)))
+                self._handles.append(module.register_forward_hook(self._post(name)))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        return False
+
+    def _sync(self):
+        if self._cuda:  # untested: no CUDA on the machine this was written on
+            torch.cuda.synchronize()
+
+    def _pre(self, name):
+        def pre(module, args):
+            self._sync()
+            self._started.setdefault(name, []).append(time.perf_counter())
+        return pre
+
+    def _post(self, name):
+        def post(module, args, output):
+            self._sync()
+            self.seconds[name] += time.perf_counter() - self._started[name].pop()
+        return post

@@ -1,0 +1,116 @@
+"""Synthetic training jobs for the speed report (the experiment's job convention): one healthy, and one per
+planted cause, each the healthy job with one change. Kept small for a shared CPU."""
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, TensorDataset
+
+N, DIM, HIDDEN, CLASSES, BATCH = 512, 64, 512, 16, 64
+SLOW_ITEM_S = 0.001  # per item: 64 ms per batch, far beyond the model's step
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(DIM, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
+                         nn.Linear(HIDDEN, CLASSES))
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, DIM, generator=g)
+    return x, (x @ torch.randn(DIM, CLASSES, generator=g)).argmax(dim=1)
+
+
+def _batched_loader():
+    """Whole batches indexed at once from the tensors: no per-item Python work."""
+    data = TensorDataset(*_tensors())
+    return DataLoader(data, batch_size=None, sampler=BatchSampler(RandomSampler(data), BATCH, drop_last=True))
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def _ce(output, target):
+    return F.cross_entropy(output.float(), target)
+
+
+def healthy():
+    return {"model_fn": _mlp, "optimizer_fn": _sgd, "data_fn": _batched_loader, "loss_fn": _ce, "name": "healthy"}
+
+
+class SlowDataset(Dataset):
+    """Each item takes SLOW_ITEM_S to build (decoding, augmenting: here a sleep)."""
+
+    def __init__(self):
+        self.x, self.y = _tensors()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        time.sleep(SLOW_ITEM_S)
+        return self.x[index], self.y[index]
+
+
+def _slow_loader():
+    return DataLoader(SlowDataset(), batch_size=BATCH, shuffle=True, num_workers=0)
+
+
+def slow_data():
+    return dict(healthy(), data_fn=_slow_loader, name="slow_data")
+
+
+def _slow_dataset():
+    return SlowDataset()
+
+
+def slow_dataset():
+    """The same slow Dataset, returned as a Dataset (the report batches it as the experiment does)."""
+    return dict(healthy(), data_fn=_slow_dataset, name="slow_dataset")
+
+
+class ReadsLoss(nn.Module):
+    """The healthy MLP, reading a value back on the host in every forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp()
+        self.seen = 0.0
+
+    def forward(self, x):
+        out = self.net(x)
+        self.seen += out.abs().mean().item()  # ITEM_LINE: a host read inside the step
+        return out
+
+
+ITEM_LINE = next(i for i, line in enumerate(open(__file__, encoding="utf-8"), 1) if "# ITEM_LINE" in line)
+
+
+def item_in_forward():
+    return dict(healthy(), model_fn=ReadsLoss, name="item_in_forward")
+
+
+def _misaligned():
+    return nn.Sequential(nn.Linear(DIM, 1001), nn.ReLU(), nn.Linear(1001, 999), nn.ReLU(), nn.Linear(999, CLASSES))
+
+
+def misaligned():
+    return dict(healthy(), model_fn=_misaligned, name="misaligned")
+
+
+def _data_parallel():
+    return nn.DataParallel(_mlp())
+
+
+def data_parallel():
+    return dict(healthy(), model_fn=_data_parallel, name="data_parallel")
+
+
+def raises():
+    return dict(healthy(), model_fn=_broken, name="raises")
+
+
+def _broken():
+    raise FileNotFoundError("no such checkpoint: ./weights.pt")

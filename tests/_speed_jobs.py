@@ -22,10 +22,10 @@ def _tensors():
     return x, (x @ torch.randn(DIM, CLASSES, generator=g)).argmax(dim=1)
 
 
-def _batched_loader():
+def _batched_loader(batch=BATCH):
     """Whole batches indexed at once from the tensors: no per-item Python work."""
     data = TensorDataset(*_tensors())
-    return DataLoader(data, batch_size=None, sampler=BatchSampler(RandomSampler(data), BATCH, drop_last=True))
+    return DataLoader(data, batch_size=None, sampler=BatchSampler(RandomSampler(data), batch, drop_last=True))
 
 
 def _sgd(model):
@@ -96,8 +96,32 @@ def _misaligned():
     return nn.Sequential(nn.Linear(DIM, 1001), nn.ReLU(), nn.Linear(1001, 999), nn.ReLU(), nn.Linear(999, CLASSES))
 
 
+def _large_batches():
+    return _batched_loader(256)  # the matmuls outweigh O1's per-step weight casts, as in real training
+
+
 def misaligned():
-    return dict(healthy(), model_fn=_misaligned, name="misaligned")
+    return dict(healthy(), model_fn=_misaligned, data_fn=_large_batches, name="misaligned")
+
+
+class _BigParameter(nn.Module):
+    """A 4M-element weight that a tiny forward barely uses (an embedding-like table)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(2048, 2048))
+        self.head = nn.Linear(DIM, CLASSES)
+
+    def forward(self, x):
+        return self.head(x) + self.table[0, :CLASSES]
+
+
+def _adam(model):
+    return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def heavy_optimizer():
+    return dict(healthy(), model_fn=_BigParameter, optimizer_fn=_adam, name="heavy_optimizer")
 
 
 def _data_parallel():

@@ -30,6 +30,8 @@ CATALOGUE = (
      "O2 masters follow DDP's broadcast of rank 0's weights"),
     ("torch.nn.parallel.distributed.DistributedDataParallel.no_sync", "parallel.ddp",
      "unscaling inside no_sync() is counted, so an unreduced step is refused"),
+    ("torch.Tensor.item/tolist/cpu/numpy/__bool__/__int__/__float__/__repr__/__format__", "tools.speed.probes",
+     "only during `amp-patch speed` probe steps, not in a session: counts the user's host reads of tensor values"),
 )
 
 _live = {}  # id(patcher) -> the patcher, while it holds at least one patch (insertion order: oldest first)

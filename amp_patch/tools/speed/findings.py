@@ -55,8 +55,12 @@ def findings(m, ctx):
     """The ranked findings of measurements ``m``."""
     found = [f for make in (hardware, data_parallel, data_loading, host_sync, alignment, casts, optimizer)
              if (f := make(m, ctx)) is not None]
-    return sorted(found, key=lambda f: (f.share is not None, _FIRST.index(f.kind) if f.share is None else 0,
-                                        -(f.share or 0.0)))
+    return sorted(found, key=_rank)
+
+
+def _rank(finding):
+    unmeasured = finding.share is None
+    return (not unmeasured, _FIRST.index(finding.kind) if unmeasured else 0, -(finding.share or 0.0))
 
 
 def _pct(share):

@@ -1,0 +1,198 @@
+"""``amp-patch speed`` / ``amp_patch.speed_report``: on synthetic jobs that each plant one cause (tests/_speed_jobs.py),
+the planted cause is the top finding with its figure, place and fix; a healthy job gets none of them. Timings are
+never asserted: each planted cost is many times the rest of its step."""
+import json
+
+import _speed_jobs
+import pytest
+import torch
+
+import amp_patch
+from amp_patch.errors import ConfigError, UsageError
+from amp_patch.patching import registry
+from amp_patch.tools import cli, machine
+from amp_patch.tools.speed import findings as findings_module
+from amp_patch.tools.speed.probes import HOST_READS, HostReads
+from amp_patch.tools.speed.report import HEALTHY
+
+STEPS = 12  # the least that leaves several plain and timed steps: 2 warm-up, 4 probe, 3 plain, 3 timed
+PLANTED = ("data_loading", "host_sync", "alignment", "data_parallel")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One thread: steadier steps on a shared machine (the figures, not the findings, depend on it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _report(job, opt_level="O1", **kwargs):
+    return amp_patch.speed_report(f"_speed_jobs:{job}", opt_level=opt_level, steps=STEPS, **kwargs)
+
+
+def _top(report, kind):
+    assert report.findings, f"no findings; expected {kind}:\n{report.to_text()}"
+    top = report.findings[0]
+    assert top.kind == kind, report.to_text()
+    assert top.figure and top.fix and top.where
+    return top
+
+
+def test_a_slow_dataset_without_workers_is_the_top_finding():
+    top = _top(_report("slow_data"), "data_loading")
+    assert "waiting for the next batch" in top.figure
+    assert top.share > 0.5
+    assert "num_workers=0" in top.where and "SlowDataset" in top.where and "_speed_jobs.py:" in top.where
+    assert "num_workers=4" in top.fix
+
+
+def test_a_dataset_the_report_batches_names_that_loader():
+    top = _top(_report("slow_dataset"), "data_loading")
+    assert "built from the job's Dataset" in top.where and "num_workers=0" in top.where
+
+
+def test_an_item_call_in_forward_is_the_top_finding_at_the_users_line():
+    top = _top(_report("item_in_forward"), "host_sync")
+    assert top.where.endswith(f"_speed_jobs.py:{_speed_jobs.ITEM_LINE}")
+    assert top.figure.startswith("1 host read(s) of tensor values per step: .item() at ")
+    assert top.share is None  # on the CPU nothing waits: the cost shows on a GPU
+    assert "every N steps" in top.fix
+
+
+def test_sizes_not_multiples_of_eight_are_the_top_finding_with_padded_sizes():
+    top = _top(_report("misaligned"), "alignment")
+    assert "2 (Linear: in_features=1001, out_features=999)" in top.where
+    assert "in_features 1001 -> 1008, out_features 999 -> 1000" in top.fix
+    assert "bfloat16" in top.figure
+
+
+def test_alignment_is_not_checked_in_fp32():
+    assert "alignment" not in _report("misaligned", "O0").kinds()
+
+
+def test_a_data_parallel_model_is_the_top_finding_with_ddp_as_the_fix():
+    top = _top(_report("data_parallel"), "data_parallel")
+    assert "DistributedDataParallel" in top.fix and "DataParallel" in top.where
+
+
+def test_an_optimizer_step_that_dominates_names_its_fused_variant():
+    top = _top(_report("heavy_optimizer", "O0"), "optimizer")
+    assert top.where.startswith("Adam.step()") and "fused=True" in top.fix
+
+
+def test_a_healthy_job_has_none_of_the_planted_causes():
+    report = _report("healthy")
+    assert not set(report.kinds()) & set(PLANTED), report.to_text()
+
+
+def test_a_healthy_job_in_fp32_gets_the_short_report():
+    report = _report("healthy", "O0")
+    assert report.findings == [], report.to_text()
+    assert HEALTHY in report.to_text()
+
+
+def test_missing_half_hardware_is_stated_once_and_first(monkeypatch):
+    def software_only(device, dtype, flags=None):
+        name = str(dtype).removeprefix("torch.")
+        return machine.HalfHardware("CPU", name, False, f"none of the {name} flags")
+
+    monkeypatch.setattr(machine, "half_hardware", software_only)
+    report = _report("data_parallel")
+    assert report.kinds().count("hardware") == 1 and report.kinds()[0] == "hardware"
+    assert "no speed-up is possible" in report.findings[0].figure
+    assert "O0" in report.findings[0].fix
+    assert "hardware" not in _report("healthy", "O0").kinds()  # fp32 needs no half hardware
+
+
+def test_the_report_states_its_instrumentation_overhead():
+    report = _report("healthy", "O0")
+    assert isinstance(report.overhead, float) and isinstance(report.probe_overhead, float)
+    assert "instrumentation: the phase timers change the step time by" in report.to_text()
+    assert set(report.phases) == {"data", "forward", "backward", "optimizer"}
+
+
+class _Reader:
+    """Calls each host read from this file (the user's code, for the probe)."""
+
+    def __call__(self, t):
+        t.item()  # READ 1
+        t.tolist()
+        bool(t)
+        float(t)
+        int(t)
+        repr(t)  # printing calls .tolist()/.item() inside torch: counted once, here
+        f"{t}"
+        t.cpu()
+        t.numpy()
+
+
+def test_host_reads_are_counted_at_the_users_line_and_undone_exactly():
+    before = {name: vars(torch.Tensor).get(name) for name in ("item", "__repr__", "__bool__", "__format__")}
+    t = torch.ones(())
+    torch.ones(3).sum()  # no read
+    with HostReads() as reads:
+        assert registry.installed()
+        _Reader()(t)
+        torch.nn.functional.dropout(torch.ones(4), 0.5)  # torch's own code: not the user's
+    assert sorted(what for _, what in reads.sites) == sorted(HOST_READS.values())
+    assert all(count == 1 for count in reads.sites.values()), reads.sites
+    lines = {site for site, _ in reads.sites}
+    assert all(site.split(":")[0].endswith("test_speed_report.py") for site in lines)
+    assert registry.installed() == []
+    assert {name: vars(torch.Tensor).get(name) for name in before} == before
+
+
+def test_findings_are_ranked_unmeasurable_first_then_by_share():
+    make = findings_module.Finding
+    ranked = sorted([make("casts", 0.2, "", "", ""), make("host_sync", None, "", "", ""),
+                     make("alignment", 0.5, "", "", ""), make("hardware", None, "", "", "")],
+                    key=findings_module._rank)
+    assert [f.kind for f in ranked] == ["hardware", "host_sync", "alignment", "casts"]
+
+
+def test_the_cli_prints_the_report_and_writes_the_json(tmp_path, capsys):
+    out = tmp_path / "speed.json"
+    status = cli.main(["speed", "--job", "_speed_jobs:item_in_forward", "--steps", str(STEPS), "--json", str(out)])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert "1. host_sync: " in captured.out
+    data = json.loads(out.read_text())
+    assert {"findings", "step_ms", "machine"} <= set(data)
+    assert data["step_ms"] > 0 and data["machine"] == machine.describe("cpu")
+    assert data["findings"][0]["kind"] == "host_sync"
+    assert all(set(f) == {"kind", "share", "where", "figure", "fix"} for f in data["findings"])
+
+
+def test_the_cli_refuses_a_job_it_cannot_load_with_exit_2(capsys):
+    assert cli.main(["speed", "--job", "no_such_speed_jobs_xyz:make"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("amp-patch speed: error: --job 'no_such_speed_jobs_xyz:make': cannot import")
+
+
+def test_the_cli_names_the_users_line_when_the_job_raises(capsys):
+    assert cli.main(["speed", "--job", "_speed_jobs:raises", "--steps", str(STEPS)]) == 2
+    err = capsys.readouterr().err
+    assert "raised FileNotFoundError: no such checkpoint" in err and "_speed_jobs.py:" in err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "3"], "steps=3; pass an integer >= 8"),
+    (["--half-dtype", "fp32"], "--half-dtype"),
+])
+def test_the_cli_refuses_bad_arguments_with_exit_2(argv, says, capsys):
+    assert cli.main(["speed", "--job", "_speed_jobs:healthy"] + argv) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_the_api_refuses_bad_arguments_and_an_open_session():
+    with pytest.raises(ConfigError, match="opt_level='o1'; allowed: O0, O1, O2, O3"):
+        amp_patch.speed_report("_speed_jobs:healthy", opt_level="o1")
+    model = torch.nn.Linear(2, 2)
+    amp_patch.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", verbosity=0)
+    try:
+        with pytest.raises(UsageError, match="deinitialize"):
+            _report("healthy")
+    finally:
+        amp_patch.deinitialize()

@@ -196,3 +196,12 @@ def test_the_api_refuses_bad_arguments_and_an_open_session():
             _report("healthy")
     finally:
         amp_patch.deinitialize()
+
+
+def test_the_experiments_verdict_points_to_the_speed_report_when_nothing_beats_fp32():
+    from amp_patch.tools.experiment.verdict import verdict
+    ran = {"status": "ok", "losses": [1.0, 0.9], "ratio_to_fp32_significant": False}
+    slower = verdict({"fp32": dict(ran, ratio_to_fp32=1.0), "O1": dict(ran, ratio_to_fp32=1.3)})
+    assert "`amp-patch speed --job MODULE:FUNCTION` shows what holds its step back" in slower["text"]
+    faster = verdict({"fp32": dict(ran, ratio_to_fp32=1.0), "O1": dict(ran, ratio_to_fp32=0.7)})
+    assert "amp-patch speed" not in faster["text"]

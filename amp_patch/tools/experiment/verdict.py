@@ -58,7 +58,7 @@ def _text(v, variants):
         head = f"no variant to recommend: none ran with its loss within {tolerance} of fp32's"
     elif v["fastest"] == "fp32" or v["ratio"] >= 1.0:
         head = (f"stay with {_label('fp32')}: no variant whose loss stays within {tolerance} of fp32's is faster "
-                "here")
+                "here; `amp-patch speed --job MODULE:FUNCTION` shows what holds its step back (docs/speed.md)")
     else:
         rounds = "significant over the rounds" if v["significant"] else \
             "not significant: its rounds' min-max includes 1.00x"

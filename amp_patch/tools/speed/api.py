@@ -36,4 +36,5 @@ def speed_report(job, *, opt_level="O1", half_dtype=torch.bfloat16, steps=20, de
     return SpeedReport(job=ctx.job, opt_level=opt_level, half_dtype=str(config.half_dtype).removeprefix("torch."),
                        device=config.device, steps=steps, step_ms=step_ms, machine=machine.describe(config.device),
                        findings=findings(m, ctx), phases={p: m.phase_share(p) for p in PHASES},
-                       overhead=m.overhead(), probe_overhead=statistics.median(m.probe_ms) / step_ms - 1.0)
+                       overhead=m.overhead(), overhead_range=[min(m.overhead_units()), max(m.overhead_units())],
+                       probe_overhead=statistics.median(m.probe_ms) / step_ms - 1.0)

@@ -190,9 +190,9 @@ def casts(m, ctx):
     fix = (f"O1 casts the weights again every step ({weights:g} weight casts per step): O2 keeps the model's "
            "weights in half and casts none of them per step; compare them with `amp-patch experiment --job "
            f"{ctx.job} --variants fp32,O1,O2`. " if ctx.opt_level == "O1" and weights else "")
-    fix += ("For activations cast back and forth, `amp-patch trace` shows which ops cast; putting neighbouring "
-            "ops in the same category of an op list (initialize(op_lists=...), compared with the experiment's "
-            "--op-lists) removes the round trips.")
+    fix += ("For activations cast back and forth, `amp-patch trace` shows which ops cast; an op list "
+            "(initialize(op_lists=...)) that keeps neighbouring ops in one category removes the round trips: "
+            "measure it again with `amp-patch speed`.")
     return Finding("casts", share, f"{ctx.opt_level} casting ({m.casts / m.probe_steps:g} casts per step)",
                    f"{m.per_step_ms(m.cast_s):.2f} ms of each step in dtype casts ({_pct(share)}), "
                    f"{m.casts / m.probe_steps:g} casts per step, {weights:g} of them of weights", fix)

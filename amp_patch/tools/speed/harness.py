@@ -69,12 +69,15 @@ class Measurements:
         """A probe figure's part of the step time (the plain steps' median)."""
         return self.per_step_ms(seconds) / self.step_ms()
 
+    def overhead_units(self):
+        """Per unit of the schedule (plain, timed, timed, plain): the timed steps' time over the plain steps',
+        minus 1 (the phase timers' cost, with the machine's noise: a unit shares its state)."""
+        count = min(len(self.plain_ms), len(self.timed_ms))
+        return [sum(self.timed_ms[i:i + 2]) / sum(self.plain_ms[i:i + 2]) - 1.0 for i in range(0, count, 2)]
+
     def overhead(self):
-        """The phase timers' cost: the median over the schedule's units (plain, timed, timed, plain) of the timed
-        steps' time over the plain steps', minus 1 (the machine's noise included: a unit shares its state)."""
-        units = [(sum(self.timed_ms[i:i + 2]), sum(self.plain_ms[i:i + 2]))
-                 for i in range(0, min(len(self.plain_ms), len(self.timed_ms)), 2)]
-        return statistics.median(timed / plain for timed, plain in units) - 1.0
+        """The phase timers' cost: the median over the units."""
+        return statistics.median(self.overhead_units())
 
 
 def schedule(steps):

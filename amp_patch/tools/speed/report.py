@@ -9,8 +9,9 @@ HEALTHY = "nothing holds this job back"
 class SpeedReport:
     """``findings`` (ranked :class:`~amp_patch.tools.speed.findings.Finding` objects), ``step_ms`` (median of
     the untimed-phase steps), ``machine``, ``phases`` (each phase's share of the step), ``overhead`` (the phase
-    timers' measured cost: median timed step over median plain step, minus 1) and ``probe_overhead`` (how much
-    slower the probe steps ran; their times are not used)."""
+    timers' measured cost: timed over plain steps, minus 1, the median over the schedule's units), its
+    ``overhead_range`` over the units (the machine's noise) and ``probe_overhead`` (how much slower the probe steps
+    ran; their times are not used)."""
 
     job: str
     opt_level: str
@@ -22,6 +23,7 @@ class SpeedReport:
     findings: list
     phases: dict
     overhead: float
+    overhead_range: list
     probe_overhead: float
 
     def kinds(self):
@@ -60,7 +62,8 @@ def text(report):
     for number, finding in enumerate(report.findings, 1):
         lines += ["", f"{number}. {finding.kind}{_share(finding.share)}: {finding.where}",
                   f"   measured: {finding.figure}", f"   fix: {finding.fix}"]
+    low, high = report.overhead_range
     lines += ["", f"instrumentation: the phase timers change the step time by {report.overhead:+.1%} (timed against "
-              "plain steps, interleaved; includes the machine's noise); the probe steps ran "
-              f"{report.probe_overhead:+.0%} against plain steps and are not used as step times."]
+              f"plain steps, interleaved; {low:+.0%}..{high:+.0%} over the units: the machine's noise); the probe "
+              f"steps ran {report.probe_overhead:+.0%} against plain steps and are not used as step times."]
     return "\n".join(lines)

@@ -124,6 +124,27 @@ def heavy_optimizer():
     return dict(healthy(), model_fn=_BigParameter, optimizer_fn=_adam, name="heavy_optimizer")
 
 
+class OddProjection(nn.Module):
+    """The healthy MLP, then a matmul of its own with a 999-wide weight (no Linear layer to name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp()
+        self.proj = nn.Parameter(torch.randn(CLASSES, 999) * 0.01)
+        self.back = nn.Parameter(torch.randn(999, CLASSES) * 0.01)
+
+    def forward(self, x):
+        wide = torch.matmul(self.net(x), self.proj)  # MATMUL_LINE
+        return torch.matmul(wide, self.back)
+
+
+MATMUL_LINE = next(i for i, line in enumerate(open(__file__, encoding="utf-8"), 1) if "# MATMUL_LINE" in line)
+
+
+def odd_matmul():
+    return dict(healthy(), model_fn=OddProjection, data_fn=_large_batches, name="odd_matmul")
+
+
 def _data_parallel():
     return nn.DataParallel(_mlp())
 

@@ -68,6 +68,14 @@ def test_sizes_not_multiples_of_eight_are_the_top_finding_with_padded_sizes():
     assert "bfloat16" in top.figure
 
 
+def test_a_misaligned_matmul_in_the_users_forward_is_named_at_its_line():
+    report = _report("odd_matmul")
+    found = next(f for f in report.findings if f.kind == "alignment")
+    assert f"matmul at tests/_speed_jobs.py:{_speed_jobs.MATMUL_LINE} (k=16, n=999)" in found.where
+    assert f"the matmul at tests/_speed_jobs.py:{_speed_jobs.MATMUL_LINE}: n 999 -> 1000" in found.fix
+    assert "Linear" not in found.where  # the MLP's own layers are aligned
+
+
 def test_alignment_is_not_checked_in_fp32():
     assert "alignment" not in _report("misaligned", "O0").kinds()
 

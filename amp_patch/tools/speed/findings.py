@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .. import machine
-from .shapes import misaligned
+from .shapes import MULTIPLE, misaligned, padded
 
 #: the share of the step time from which a cause is reported
 THRESHOLDS = {"data_loading": 0.15, "casts": 0.10, "optimizer": 0.25, "alignment": 0.01}
@@ -160,24 +160,35 @@ def alignment(m, ctx):
     if not ctx.half:
         return None
     layers = [(name, mod, misaligned(mod)) for name, mod in m.model.named_modules() if misaligned(mod)]
-    if not layers:
+    matmuls = _loose_matmuls(m)
+    if not layers and not matmuls:
         return None
-    per_probe = zip(*(m.module_s.get(name or "model", [0.0]) for name, _, _ in layers))
-    share = 3 * m.share([sum(step) for step in per_probe])  # forward measured; backward taken as twice the forward
+    per_probe = zip(*(m.module_s.get(name or "model", [0.0]) for name, _, _ in layers)) if layers else [[0.0]]
+    forward_ms = m.per_step_ms([sum(step) for step in per_probe]) + sum(matmuls.values()) * 1e3 / m.probe_steps
+    share = min(3 * forward_ms / m.step_ms(), 1.0)  # forward measured; backward taken as twice the forward
     if share < THRESHOLDS["alignment"]:
         return None
     dtype = str(ctx.half_dtype).removeprefix("torch.")
     named = [f"{name or 'model'} ({type(mod).__name__}: "
              + ", ".join(f"{attr}={size}" for attr, size, _ in bad) + ")" for name, mod, bad in layers]
+    named += [f"matmul at {site} (k={k}, n={n})" for site, k, n in matmuls]
     pads = [f"{name or 'model'}: " + ", ".join(f"{attr} {size} -> {pad}" for attr, size, pad in bad)
             for name, _, bad in layers]
-    more = f" and {len(layers) - 3} more" if len(layers) > 3 else ""
-    return Finding("alignment", min(share, 1.0), "; ".join(named[:3]) + more,
-                   f"{len(layers)} layer(s) in {dtype} with sizes not multiples of 8; their forward and backward "
-                   f"take about {_pct(min(share, 1.0))} of the step (forward measured, backward estimated as twice "
+    pads += [f"the matmul at {site}: " + ", ".join(f"{dim} {size} -> {padded(size)}" for dim, size in
+                                                   (("k", k), ("n", n)) if size % MULTIPLE) for site, k, n in matmuls]
+    more = f" and {len(named) - 3} more" if len(named) > 3 else ""
+    return Finding("alignment", share, "; ".join(named[:3]) + more,
+                   f"{len(named)} layer(s) or matmul(s) in {dtype} with sizes not multiples of 8; their forward and "
+                   f"backward take about {_pct(share)} of the step (forward measured, backward estimated as twice "
                    "the forward)",
                    f"pad the sizes to multiples of 8 so {dtype} matmuls use tensor cores: " + "; ".join(pads[:3])
                    + more + " (pad a vocabulary or class count and ignore the extra outputs).")
+
+
+def _loose_matmuls(m):
+    """The recorded misaligned matmuls that are not a Linear layer's own (those are named as layers)."""
+    linear = {(mod.in_features, mod.out_features) for mod in m.model.modules() if isinstance(mod, nn.Linear)}
+    return {key: seconds for key, seconds in m.matmul_s.items() if key[1:] not in linear}
 
 
 def casts(m, ctx):

@@ -43,6 +43,7 @@ class Measurements:
     weight_casts: int = 0
     cast_s: list = dataclasses.field(default_factory=list)  # per probe step: seconds in dtype casts
     module_s: dict = dataclasses.field(default_factory=dict)  # module name -> [forward seconds per probe step]
+    matmul_s: dict = dataclasses.field(default_factory=dict)  # (file:line, k, n) -> seconds over the probe steps
     probe_steps: int = 0
     model: object = None  # the job's model as the steps ran it (after initialize), for its shapes
     optimizer: object = None
@@ -200,6 +201,8 @@ class Harness:
         m.casts += casts.casts
         m.weight_casts += len(casts.param_casts)
         m.cast_s.append(casts.seconds)
+        for key, seconds in casts.matmuls.items():
+            m.matmul_s[key] = m.matmul_s.get(key, 0.0) + seconds
 
 
 def _initialize(model, optimizer, opt_level, half_dtype):

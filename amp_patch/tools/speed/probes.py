@@ -28,14 +28,21 @@ HOST_READS = {"item": ".item()", "tolist": ".tolist()", "cpu": ".cpu()", "numpy"
               "__bool__": "bool(tensor)", "__int__": "int(tensor)", "__float__": "float(tensor)",
               "__repr__": "printing a tensor", "__format__": "formatting a tensor"}
 _TO_COPY = torch.ops.aten._to_copy.default
+_ATEN = torch.ops.aten
+#: matmul ops -> the index of their first matrix argument (addmm and baddbmm take the bias first)
+_MATMULS = {_ATEN.mm.default: 0, _ATEN.bmm.default: 0, _ATEN.addmm.default: 1, _ATEN.baddbmm.default: 1}
 _TORCH_DIR = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "")
-_NOT_USER = tuple(os.path.join(os.path.abspath(p), "") for p in {
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), sysconfig.get_paths()["stdlib"]})
+_AMP_PATCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "")
+_SPEED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")  # the harness: the step's own frames
+_NOT_USER = (_AMP_PATCH_DIR, os.path.join(os.path.abspath(sysconfig.get_paths()["stdlib"]), ""))
 
 
-def user_site(frame):
-    """``file:line`` of the caller outside torch when it is the user's code (not amp_patch, not the stdlib)."""
-    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+def user_site(frame, through_amp_patch=False):
+    """``file:line`` of the first caller outside torch (and, ``through_amp_patch``, outside amp_patch's casting
+    wrappers, but never past the speed harness) when it is the user's code (not amp_patch, not the stdlib)."""
+    skip = (_TORCH_DIR, _AMP_PATCH_DIR) if through_amp_patch else (_TORCH_DIR,)
+    while frame is not None and frame.f_code.co_filename.startswith(skip) \
+            and not frame.f_code.co_filename.startswith(_SPEED_DIR):
         frame = frame.f_back
     if frame is None:
         return None
@@ -100,24 +107,46 @@ class HostReads:
 
 
 class CastTimer(CastCounter):
-    """:class:`~amp_patch.tools.experiment.variants.CastCounter` that counts only dtype changes and times them."""
+    """:class:`~amp_patch.tools.experiment.variants.CastCounter` that counts only dtype changes and times them;
+    it also records the half-precision matmuls the user's code calls whose sizes are not multiples of 8:
+    ``matmuls`` maps ``(file:line, k, n)`` to seconds (``mm``/``bmm``/``addmm``/``baddbmm``: ``k`` the
+    contracted size, ``n`` the output's last; the backward's, called by autograd, have no user line)."""
 
     def __init__(self, params=(), cuda=False):
         super().__init__(params)
         self.seconds = 0.0
+        self.matmuls = {}
         self._cuda = cuda
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _MATMULS:
+            return self._matmul(func, args, kwargs)
         if func is not _TO_COPY or not args or kwargs.get("dtype") in (None, getattr(args[0], "dtype", None)):
             return func(*args, **kwargs)
+        out, seconds = self._timed(lambda: super(CastTimer, self).__torch_dispatch__(func, types, args, kwargs))
+        self.seconds += seconds
+        return out
+
+    def _timed(self, run):
         if self._cuda:  # untested: no CUDA on the machine this was written on
             torch.cuda.synchronize()
         start = time.perf_counter()
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        out = run()
         if self._cuda:
             torch.cuda.synchronize()
-        self.seconds += time.perf_counter() - start
+        return out, time.perf_counter() - start
+
+    def _matmul(self, func, args, kwargs):
+        a, b = args[_MATMULS[func]:_MATMULS[func] + 2]
+        k, n = a.shape[-1], b.shape[-1]
+        if a.dtype not in (torch.float16, torch.bfloat16) or not (k % 8 or n % 8):
+            return func(*args, **kwargs)
+        site = user_site(sys._getframe(2), through_amp_patch=True)  # (1 is __torch_dispatch__)
+        if site is None:
+            return func(*args, **kwargs)
+        out, seconds = self._timed(lambda: func(*args, **kwargs))
+        self.matmuls[(site, k, n)] = self.matmuls.get((site, k, n), 0.0) + seconds
         return out
 
 

@@ -45,7 +45,7 @@ def test_a_slow_dataset_without_workers_is_the_top_finding():
     assert "waiting for the next batch" in top.figure
     assert top.share > 0.5
     assert "num_workers=0" in top.where and "SlowDataset" in top.where and "_speed_jobs.py:" in top.where
-    assert "num_workers=4" in top.fix
+    assert f"num_workers={findings_module.suggested_workers()}" in top.fix
 
 
 def test_a_dataset_the_report_batches_names_that_loader():

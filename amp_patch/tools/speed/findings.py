@@ -113,15 +113,21 @@ def data_loading(m, ctx):
     built = "the job's DataLoader" if m.loader is m.data else "the DataLoader the report built from the job's " \
         "Dataset (as the experiment does)"
     where = f"{built}: {_loader_text(loader)}"
-    fix = (f"build the batches in worker processes: return a DataLoader from data_fn with num_workers=4 (up to the "
-           f"{os.cpu_count()} CPUs here)" if not workers else
+    fix = (f"build the batches in worker processes: return a DataLoader from data_fn with "
+           f"num_workers={suggested_workers()} (this machine has {os.cpu_count()} CPUs)" if not workers else
            f"the {workers} workers do not keep up: raise num_workers, or make the Dataset's __getitem__ cheaper "
            "(decode or augment once, ahead of training)")
-    if ctx.cuda:  # untested: no CUDA on the machine this was written on
+    if ctx.cuda and not (getattr(loader, "pin_memory", False) and getattr(loader, "persistent_workers", False)):
+        # untested: no CUDA on the machine this was written on
         fix += ", with pin_memory=True (faster, asynchronous copies to the GPU) and persistent_workers=True"
     return Finding("data_loading", share, where,
                    f"{wait:.2f} ms of each step waiting for the next batch ({_pct(share)} of the step time)",
                    fix + ".")
+
+
+def suggested_workers():
+    """The num_workers a fix suggests: 4, or fewer on a machine with fewer CPUs."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def _loader_text(loader):

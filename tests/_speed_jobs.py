@@ -153,6 +153,23 @@ def data_parallel():
     return dict(healthy(), model_fn=_data_parallel, name="data_parallel")
 
 
+class FailsWhileProbed(nn.Module):
+    """The healthy MLP, raising in the first step the host-read probe watches (its patch of .item() is on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x):
+        if "item" in vars(torch.Tensor):
+            raise RuntimeError("planted failure during a probe step")  # PROBE_RAISE_LINE
+        return self.net(x)
+
+
+def fails_while_probed():
+    return dict(healthy(), model_fn=FailsWhileProbed, name="fails_while_probed")
+
+
 def raises():
     return dict(healthy(), model_fn=_broken, name="raises")
 

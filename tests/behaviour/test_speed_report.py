@@ -185,6 +185,23 @@ def test_the_cli_names_the_users_line_when_the_job_raises(capsys):
     assert "raised FileNotFoundError: no such checkpoint" in err and "_speed_jobs.py:" in err
 
 
+def test_a_job_failing_in_a_probe_step_leaves_no_patch_and_no_session(capsys):
+    assert "item" not in vars(torch.Tensor)
+    assert cli.main(["speed", "--job", "_speed_jobs:fails_while_probed", "--steps", str(STEPS)]) == 2
+    assert "planted failure during a probe step" in capsys.readouterr().err
+    assert "item" not in vars(torch.Tensor) and registry.installed() == []
+    assert amp_patch.session.state.current() is None
+
+
+def test_a_job_object_gets_fixes_that_name_a_placeholder_job(monkeypatch):
+    monkeypatch.setitem(findings_module.THRESHOLDS, "casts", 0.0)  # O1 always casts: the finding is there
+    job = amp_patch.tools.experiment.models.as_job(_speed_jobs.misaligned())
+    report = amp_patch.speed_report(job, steps=STEPS)
+    assert report.job == "misaligned"
+    casts = next(f for f in report.findings if f.kind == "casts")
+    assert "`amp-patch experiment --job MODULE:FUNCTION --variants fp32,O1,O2`" in casts.fix
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--steps", "3"], "steps=3; pass an integer >= 8"),
     (["--half-dtype", "fp32"], "--half-dtype"),

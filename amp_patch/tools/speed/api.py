@@ -30,10 +30,12 @@ def speed_report(job, *, opt_level="O1", half_dtype=torch.bfloat16, steps=20, de
                          "(it initializes the job's model itself)")
     spec = job if isinstance(job, str) else None
     loaded = load_job(job) if spec is not None else as_job(job)
-    ctx = Context(job=spec or loaded.name, opt_level=opt_level, half_dtype=config.half_dtype, device=config.device)
+    ctx = Context(job=spec or "MODULE:FUNCTION", opt_level=opt_level, half_dtype=config.half_dtype,
+                  device=config.device)
     m = Harness(loaded, spec or loaded.name, config, opt_level, watched_modules(ctx.half)).run()
     step_ms = m.step_ms()
-    return SpeedReport(job=ctx.job, opt_level=opt_level, half_dtype=str(config.half_dtype).removeprefix("torch."),
+    half_dtype = str(config.half_dtype).removeprefix("torch.")
+    return SpeedReport(job=spec or loaded.name, opt_level=opt_level, half_dtype=half_dtype,
                        device=config.device, steps=steps, step_ms=step_ms, machine=machine.describe(config.device),
                        findings=findings(m, ctx), phases={p: m.phase_share(p) for p in PHASES},
                        overhead=m.overhead(), overhead_range=[min(m.overhead_units()), max(m.overhead_units())],

@@ -37,7 +37,7 @@ class Finding:
 class Context:
     """What the findings need besides the measurements."""
 
-    job: str  # the --job spec or the job's name, for the commands a fix names
+    job: str  # the --job spec (MODULE:FUNCTION for a Job object), for the commands a fix names
     opt_level: str
     half_dtype: torch.dtype
     device: str

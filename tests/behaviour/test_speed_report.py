@@ -12,6 +12,7 @@ from amp_patch.errors import ConfigError, UsageError
 from amp_patch.patching import registry
 from amp_patch.tools import cli, machine
 from amp_patch.tools.speed import findings as findings_module
+from amp_patch.tools.speed import harness
 from amp_patch.tools.speed.probes import HOST_READS, HostReads
 from amp_patch.tools.speed.report import HEALTHY
 
@@ -230,3 +231,18 @@ def test_the_experiments_verdict_points_to_the_speed_report_when_nothing_beats_f
     assert "`amp-patch speed --job MODULE:FUNCTION` shows what holds its step back" in slower["text"]
     faster = verdict({"fp32": dict(ran, ratio_to_fp32=1.0), "O1": dict(ran, ratio_to_fp32=0.7)})
     assert "amp-patch speed" not in faster["text"]
+
+
+def test_the_schedule_balances_plain_and_timed_steps_and_spreads_the_probes():
+    kinds = harness.schedule(20)
+    assert kinds[:2] == ["warmup", "warmup"] and len(kinds) == 20
+    assert kinds.count("probe") == 2 and kinds.count("module_probe") == 2
+    timing = [k for k in kinds if k in ("plain", "timed")]
+    assert timing[:8] == ["plain", "timed", "timed", "plain"] * 2  # each kind first in every other unit
+    assert "probe" not in kinds[-2:] and "probe" not in kinds[2:4]
+
+
+def test_the_overhead_is_the_median_over_units_of_timed_over_plain():
+    m = harness.Measurements(plain_ms=[1.0, 1.0, 2.0, 2.0, 1.0], timed_ms=[1.1, 1.1, 2.4, 2.4, 9.0])
+    assert [round(u, 6) for u in m.overhead_units()] == [0.1, 0.2, 8.0]
+    assert m.overhead() == pytest.approx(0.2)

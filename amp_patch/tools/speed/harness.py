@@ -102,8 +102,8 @@ class Harness:
         self.m = Measurements()
 
     def run(self):
-        self._build()
         try:
+            self._build()
             for kind in schedule(self.config.steps):
                 getattr(self, f"_{kind}")()
         finally:

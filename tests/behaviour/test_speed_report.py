@@ -246,3 +246,9 @@ def test_the_overhead_is_the_median_over_units_of_timed_over_plain():
     m = harness.Measurements(plain_ms=[1.0, 1.0, 2.0, 2.0, 1.0], timed_ms=[1.1, 1.1, 2.4, 2.4, 9.0])
     assert [round(u, 6) for u in m.overhead_units()] == [0.1, 0.2, 8.0]
     assert m.overhead() == pytest.approx(0.2)
+
+
+def test_the_speed_help_prints_and_the_probe_patch_is_catalogued(capsys):
+    assert cli.main(["speed", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: amp-patch speed")
+    assert any(owner == "tools.speed.probes" for _, owner, _ in registry.CATALOGUE)

@@ -162,6 +162,9 @@ def host_sync(m, ctx):
                    "build tensors on the device rather than from Python numbers read back.")
 
 
+_UNITS = {True: "tensor cores", False: "whole hardware tiles (on a GPU, its tensor cores)"}
+
+
 def alignment(m, ctx):
     if not ctx.half:
         return None
@@ -187,7 +190,8 @@ def alignment(m, ctx):
                    f"{len(named)} layer(s) or matmul(s) in {dtype} with sizes not multiples of 8; their forward and "
                    f"backward take about {_pct(share)} of the step (forward measured, backward estimated as twice "
                    "the forward)",
-                   f"pad the sizes to multiples of 8 so {dtype} matmuls use tensor cores: " + "; ".join(pads[:3])
+                   f"pad the sizes to multiples of 8 so {dtype} matmuls use {_UNITS[bool(ctx.cuda)]}: "
+                   + "; ".join(pads[:3])
                    + more + " (pad a vocabulary or class count and ignore the extra outputs).")
 
 

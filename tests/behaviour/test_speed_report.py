@@ -174,6 +174,13 @@ def test_the_cli_prints_the_report_and_writes_the_json(tmp_path, capsys):
     assert all(set(f) == {"kind", "share", "where", "figure", "fix"} for f in data["findings"])
 
 
+def test_without_a_job_the_cli_reports_on_the_built_in_mlp(capsys):
+    status = cli.main(["speed", "--steps", str(STEPS)])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert captured.out.startswith("amp-patch speed: amp_patch.tools.experiment.models:mlp, O1 bfloat16 on cpu")
+
+
 def test_the_cli_refuses_a_job_it_cannot_load_with_exit_2(capsys):
     assert cli.main(["speed", "--job", "no_such_speed_jobs_xyz:make"]) == 2
     err = capsys.readouterr().err

@@ -5,6 +5,9 @@ import sys
 from ...errors import AmpPatchError
 from ..cli import add_half_dtype, add_verbose, echo_half_dtype, error, job_raised
 
+#: the job run when --job is not given: the experiment's built-in MLP
+DEFAULT_JOB = "amp_patch.tools.experiment.models:mlp"
+
 _EPILOG = """\
 The --job function follows the 'amp-patch experiment' convention (see amp_patch.tools.experiment.models); its
 data_fn may return a DataLoader, used as built (its num_workers and pin_memory are yours).
@@ -21,9 +24,9 @@ def add_parser(subparsers):
                     "a fix: data loading, host reads of tensor values (device syncs), layer sizes not multiples "
                     "of 8, DataParallel, casts, the optimizer step, no half-precision hardware.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--job", metavar="MODULE:FUNCTION", required=True,
+    parser.add_argument("--job", metavar="MODULE:FUNCTION", default=DEFAULT_JOB,
                         help="the training job: module:function (from the current directory first) or "
-                             "path/to/file.py:function")
+                             f"path/to/file.py:function (default {DEFAULT_JOB}, the experiment's built-in MLP)")
     parser.add_argument("--opt-level", choices=["O0", "O1", "O2", "O3"], default="O1",
                         help="the opt level the steps run under (default O1)")
     add_half_dtype(parser, "bfloat16", "as the experiment; see README, 'Half dtype'")

@@ -122,3 +122,40 @@ def test_the_default_list_is_the_devices_torch_list():
         assert table.get("torch.nn.functional", "linear").category == "half"
     finally:
         amp_patch.deinitialize()
+
+
+class _FrontEnd(nn.Module):
+    """A half Linear front end feeding an fp32 module that checks dtypes itself (RNN, fused encoder layer)."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.fc, self.body = nn.Linear(16, 16), body
+
+    def forward(self, x):
+        out = self.body(self.fc(x))
+        return out[0] if isinstance(out, tuple) else out
+
+
+BODIES = {"lstm": lambda: nn.LSTM(16, 16, batch_first=True), "gru_cell": lambda: nn.GRUCell(16, 16),
+          "encoder_eval": lambda: nn.TransformerEncoder(
+              nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2, enable_nested_tensor=False).eval()}
+
+
+@pytest.mark.parametrize("body", list(BODIES))
+def test_half_activations_into_dtype_checking_modules_run_as_natively(body):
+    """Native CPU autocast runs these on a half input (their kernels are cast inside C++); the default list
+    casts them at their Python entry, so they run, in half, instead of failing on the dtype mismatch."""
+    torch.manual_seed(0)
+    model = _FrontEnd(BODIES[body]())
+    x = torch.randn(2, 5, 16) if body != "gru_cell" else torch.randn(4, 16)
+    with torch.no_grad():
+        reference = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            native = model(x)
+        model = amp_patch.initialize(model, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+        try:
+            ours = model(x)
+        finally:
+            amp_patch.deinitialize()
+    assert ours.dtype is native.dtype is torch.bfloat16
+    torch.testing.assert_close(ours.float(), reference, rtol=0, atol=0.1)

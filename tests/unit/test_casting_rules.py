@@ -11,7 +11,8 @@ import amp_patch
 
 HALVES = [torch.float16, torch.bfloat16]
 LIST = {
-    "half": {"torch": ["mm", "addmm", "cat"], "torch.Tensor": ["mm", "addmm_"], "torch.nn.functional": ["linear", "conv2d"]},
+    "half": {"torch": ["mm", "addmm", "cat"], "torch.Tensor": ["mm", "addmm_"],
+             "torch.nn.functional": ["linear", "conv2d"]},
     "float": {"torch": ["exp"], "torch.Tensor": ["exp_", "exp"]},
     "promote": {"torch": ["add", "atan2"], "torch.Tensor": ["add_", "__add__", "__iadd__"]},
     "sequence_promote": {"torch": ["stack"]},

@@ -82,6 +82,8 @@ def make_to_half(half_dtype, cache, disabled=None):
         if dt is FP32:
             if compiling():  # dynamo: no data-dependent cache checks in the graph (it casts once)
                 return t if off_while_tracing() else cast(t)
+            if type(t) is Tensor:  # an activation (the common case, tested first): never cached
+                return cast(t)
             if tracing():  # torch.jit.trace: a cast cached before the trace would become a graph constant
                 return cast(t)
             ident = get_ident()

@@ -90,6 +90,11 @@ def any_caster(cast):
             return cast(a)
         if cls in _PLAIN_TYPES:
             return a
+        if cls is tuple or cls is list:  # conv's stride/padding/dilation: scalars only, kept as they are
+            for v in a:
+                if type(v) not in _PLAIN_TYPES:
+                    return cast_tree(a, cast)
+            return a
         return cast_tree(a, cast)
 
     return cast_any
@@ -192,19 +197,19 @@ def float_wrapper(original, entry, ctx):
 
 
 def promote_wrapper(original, entry, ctx):
-    disabled = ctx.disabled
+    disabled, plain_types = ctx.disabled, _PLAIN_TYPES
 
     def wrapper(*args, **kwargs):
         if disabled and _get_ident() in disabled:
             return original(*args, **kwargs)
         if len(args) == 2 and not kwargs:  # fast path: binary ops on two tensors of one dtype, or a scalar
             a, b = args
-            try:
-                if a.dtype is b.dtype:
-                    return original(a, b)
-            except AttributeError:
-                if type(b) in _PLAIN_TYPES and (type(a) in _PLAIN_TYPES or isinstance(a, Tensor)):
-                    return original(a, b)
+            dtype = getattr(b, "dtype", None)  # no exception raised and caught for a Python scalar
+            if dtype is None:
+                if type(b) in plain_types and (type(a) in plain_types or isinstance(a, Tensor)):
+                    return original(a, b)  # a Python scalar never promotes a tensor's floating dtype
+            elif getattr(a, "dtype", None) is dtype:
+                return original(a, b)
         if kwargs and kwargs.get("out") is not None:  # as torch.autocast: out= overloads run uncast
             return original(*args, **kwargs)
         widest = widest_dtype(args + tuple(kwargs.values()) if kwargs else args)

@@ -130,6 +130,17 @@ def _read_path(spec, relative_to=None):
                           f"or a shipped name ({', '.join(shipped_names())})") from None
 
 
+#: the shipped list amp_patch's own API loads when ``op_lists`` is not given: native autocast's policy on the device
+DEVICE_LISTS = {"cuda": "torch_cuda", "cpu": "torch_cpu"}
+
+
+def default_list_name(device_type):
+    """The shipped op list ``initialize`` and ``amp_patch.autocast()`` use without ``op_lists``: the policy native
+    ``torch.autocast`` applies on ``device_type`` (``torch_cuda``, ``torch_cpu``); ``apex`` for a device type with
+    no shipped torch list. Under the apex alias the default stays ``apex`` (legacy scripts keep Apex's lists)."""
+    return DEVICE_LISTS.get(device_type, "apex")
+
+
 def load_op_lists(spec=None, *, default="apex"):
     """Load ``spec`` into an :class:`OpTable`.
 

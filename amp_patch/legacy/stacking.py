@@ -69,8 +69,9 @@ def with_list_edits(call):
     """``call`` with the edits of ``apex.amp.lists`` added to its ``op_lists`` (O1: the level that patches)."""
     if call.get("enabled", True) is False or not _props_of(call).patch_torch_functions:
         return call
-    edited = amp_lists.overlay(call.get("op_lists"))
-    return call if edited is call.get("op_lists") else {**call, "op_lists": edited}
+    base = "apex" if call.get("op_lists") is None else call["op_lists"]  # the alias keeps Apex's lists as default
+    edited = amp_lists.overlay(base)
+    return {**call, "op_lists": edited}
 
 
 def _props_of(call):

@@ -70,7 +70,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     check_no_shared_params(props, opt_list, model_list)
     scalers = _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor, backoff_factor,
                             growth_interval, hysteresis)
-    table = _check_the_rest(props, history_size, op_lists)
+    table = _check_the_rest(props, history_size, op_lists, model_list)
     session = Session(props)
     session.grad_enabled = torch.is_grad_enabled()  # what undoing a failed (or interrupted) initialize leaves
     session.fsdp_groups = fsdp_groups

@@ -1,9 +1,12 @@
 """The checks ``initialize`` runs before it changes anything (moved out of frontend.py unchanged): every argument
 is validated here first, so a ConfigError or UsageError leaves the models, optimizers and torch as they were."""
+import itertools
+
 import torch
 
+from ..casting.interop.native_regions import engine_device_type
 from ..config.dtypes import HALF_DTYPES
-from ..config.oplist import load_op_lists
+from ..config.oplist import default_list_name, load_op_lists
 from ..errors import ConfigError, UsageError
 from ..parallel import ddp as distributed
 from ..scaling.scaler import LossScaler
@@ -127,20 +130,29 @@ def _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_fact
 
 
 
-def _load_table(props, op_lists):
-    """The op table of an O1 session (None at other levels), loaded and validated before anything is patched."""
+def models_device_type(models):
+    """The device type of the models' first parameter or buffer (none: where the engine casts, cuda or cpu)."""
+    for model in models:
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            return tensor.device.type
+    return engine_device_type()
+
+
+def _load_table(props, op_lists, models):
+    """The op table of an O1 session (None at other levels), loaded and validated before anything is patched;
+    without ``op_lists``, native autocast's list for the models' device (``default_list_name``)."""
     if not props.patch_torch_functions:
         if op_lists is not None:
             raise ConfigError(f"op_lists only apply when torch functions are patched (opt_level='O1'); "
                               f"opt_level={props.opt_level!r} does not patch. Drop op_lists or use O1.")
         return None
-    return load_op_lists(op_lists)
+    return load_op_lists(op_lists, default=default_list_name(models_device_type(models)))
 
 
 
-def _check_the_rest(props, history_size, op_lists):
+def _check_the_rest(props, history_size, op_lists, models):
     """The last checks before initialize changes anything; returns the op table."""
     if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
         raise ConfigError(f"history_size={history_size!r}; pass a positive number of steps to keep")
-    return _load_table(props, op_lists)
+    return _load_table(props, op_lists, models)
 

@@ -21,7 +21,8 @@ def add_parser(subparsers):
                         "(mlp, cnn, transformer; default transformer)")
     parser.add_argument("--opt-level", default="O1", choices=["O1"], help="tracing needs O1's patches")
     add_half_dtype(parser, "bfloat16", "as amp-patch experiment; see README, 'Half dtype'")
-    parser.add_argument("--op-lists", default=None, help="shipped list name or YAML path (default apex)")
+    parser.add_argument("--op-lists", default=None,
+                        help="shipped list name or YAML path (default: initialize's, the model's device's torch list)")
     parser.add_argument("--no-modules", action="store_true", help="do not attribute calls to modules")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
     add_verbose(parser)

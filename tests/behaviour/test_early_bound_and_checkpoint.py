@@ -37,7 +37,7 @@ def test_early_bound_attribute_runs_through_the_wrapper_and_is_restored():
     block = Block()
     original = block.act.act
     assert original is F.gelu
-    block = amp_patch.initialize(block, opt_level="O1", verbosity=0)
+    block = amp_patch.initialize(block, opt_level="O1", op_lists="apex", verbosity=0)  # gelu: Apex's float list
     assert block.act.act is not original and block.act.act is F.gelu  # the patched F.gelu wrapper
     out = block(torch.randn(2, 4))
     assert out.dtype is torch.float32  # gelu is in Apex's float list; the linear before it ran in half
@@ -53,7 +53,7 @@ def test_import_time_binding_is_reported(caplog):
     sys.modules["user_model_mod"] = user
     try:
         with caplog.at_level(logging.WARNING, logger="amp_patch"):
-            amp_patch.initialize(user.Net(), opt_level="O1", verbosity=0)
+            amp_patch.initialize(user.Net(), opt_level="O1", op_lists="apex", verbosity=0)  # gelu: in Apex's list
         assert "user_model_mod.gelu" in caplog.text and "F.gelu" in caplog.text
     finally:
         del sys.modules["user_model_mod"]

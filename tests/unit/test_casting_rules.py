@@ -11,7 +11,8 @@ import amp_patch
 
 HALVES = [torch.float16, torch.bfloat16]
 LIST = {
-    "half": {"torch": ["mm", "addmm", "cat"], "torch.Tensor": ["mm", "addmm_"], "torch.nn.functional": ["linear"]},
+    "half": {"torch": ["mm", "addmm", "cat"], "torch.Tensor": ["mm", "addmm_"],
+             "torch.nn.functional": ["linear", "conv2d"]},
     "float": {"torch": ["exp"], "torch.Tensor": ["exp_", "exp"]},
     "promote": {"torch": ["add", "atan2"], "torch.Tensor": ["add_", "__add__", "__iadd__"]},
     "sequence_promote": {"torch": ["stack"]},
@@ -46,6 +47,15 @@ def test_half_casts_inside_lists_tuples_and_kwargs(half):
     assert torch.cat([a, a]).dtype is half
     assert torch.cat((a, a.double()), dim=0).dtype is torch.float64  # fp64 untouched -> torch promotes
     assert F.linear(input=a, weight=a, bias=torch.randn(2)).dtype is half
+
+
+def test_half_passes_scalar_tuples_through_and_casts_tensors_beside_them(half):
+    img, w, b = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3), torch.randn(3)
+    out = F.conv2d(img, w, b, (2, 1), [1, 1], (1, 1), 1)
+    assert out.dtype is half
+    with amp_patch.disable_casts():
+        assert torch.equal(out, F.conv2d(img.to(half), w.to(half), b.to(half), (2, 1), [1, 1], (1, 1), 1))
+    assert torch.cat((torch.randn(2), torch.randn(2)), 0).dtype is half  # a tuple holding tensors is cast
 
 
 def test_cast_tree_keeps_container_types():

@@ -82,11 +82,11 @@ def _answer_custom_fwd(original, engine):
     disabled, device_type, compiling = engine.disabled, engine.device_type, torch.compiler.is_compiling
 
     def is_autocast_enabled(*args, **kwargs):
-        if compiling() or sys._getframe(1).f_code is not _CUSTOM_FWD:
-            return original(*args, **kwargs)
-        device = args[0] if args else kwargs.get("device_type", "cuda")
-        casting = device == device_type and not (disabled and _get_ident() in disabled)
-        return casting or original(*args, **kwargs)
+        answer = original(*args, **kwargs)
+        if answer or disabled and _get_ident() in disabled:
+            return answer  # the cheap tests first: only a False that amp_patch's casting could turn True walks
+        device = args[0] if args else kwargs.get("device_type", "cuda")  # a frame, and only under custom_fwd
+        return device == device_type and not compiling() and sys._getframe(1).f_code is _CUSTOM_FWD
 
     is_autocast_enabled.__wrapped__ = original
     return is_autocast_enabled

@@ -40,6 +40,8 @@ class Job:
     loss_fn: object
     batch_size: int = 32
     name: str = "job"
+    #: op lists (shipped names or YAML files) to run O1 with, one ``O1 [list]`` variant each; () : O1's default
+    op_lists: tuple = ()
 
 
 def as_job(obj, name=None):
@@ -53,7 +55,7 @@ def as_job(obj, name=None):
             raise ConfigError(f"the job ({type(obj).__name__}) lacks {', '.join(missing)}; a job provides "
                               f"{', '.join(_FIELDS)} (see amp_patch.tools.experiment.models)")
         job = Job(*(get(f) for f in _FIELDS), batch_size=get("batch_size", 32) or 32,
-                  name=get("name", None) or name or "job")
+                  name=get("name", None) or name or "job", op_lists=get("op_lists", None) or ())
     for field in _FIELDS:
         if not callable(getattr(job, field)):
             raise ConfigError(f"the job's {field} is {getattr(job, field)!r}, not a callable")

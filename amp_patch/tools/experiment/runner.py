@@ -42,6 +42,7 @@ class Config:
     threads: object = None  # torch.set_num_threads for the run; None keeps torch's default
     rounds: int = 5  # the timed steps are split into this many interleaved rounds
     timeout_s: object = 600.0  # per variant (isolated runs only); None: no limit
+    op_lists: tuple = ()  # (label, spec) of each op list an ``O1 [label]`` variant runs with
 
     def untimed_steps(self):
         """Steps ``setup`` runs before the timed rounds (warm-up, cast count, and the sync count on CUDA)."""
@@ -68,7 +69,7 @@ def mark_interrupted(result, config):
     """Ctrl-C: ``result`` marked ``interrupted`` unless it finished all its rounds (or had failed already)."""
     finished = len(result["rounds"])
     if result["status"] == "ok" and finished < len(config.round_sizes()):
-        result.update(status="interrupted", error=f"interrupted (Ctrl-C) after {finished} finished round(s)")
+        result.update(status="interrupted", error=f"Ctrl-C after {finished} of {len(config.round_sizes())} round(s)")
     return result
 
 
@@ -98,7 +99,8 @@ class VariantRun:
     def setup(self):
         self.result["memory_at_start_mib"] = _memory_now_mib(self.device)
         with self._guard():
-            self.runner = make_variant(self.result["variant"], self.config.half_dtype, self.config.device)
+            self.runner = make_variant(self.result["variant"], self.config.half_dtype, self.config.device,
+                                       self.config.op_lists)
             if self.config.threads:
                 torch.set_num_threads(self.config.threads)
             self.result["threads"] = torch.get_num_threads()

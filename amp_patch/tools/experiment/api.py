@@ -104,8 +104,8 @@ def _starting_line(refs, variants, config, isolate):
     where = "in separate processes" if isolate else "in this process"
     jobs = f" x {len(refs)} jobs" if len(refs) > 1 else ""
     return (f"starting {len(variants)} variant{'s' if len(variants) != 1 else ''}{jobs} {where} "
-            f"({config.steps} steps, {str(config.half_dtype).replace('torch.', '')}, {config.device})"
-            f"{_fewer_rounds(config)}...")
+            f"({config.steps} steps, {str(config.half_dtype).replace('torch.', '')}, {config.device}"
+            f"{_fewer_rounds(config)})...")
 
 
 def _fewer_rounds(config):

@@ -103,7 +103,7 @@ def test_all_variants_in_process_report_structure(tmp_path):
 
 def test_png_is_a_valid_image(tmp_path):
     pytest.importorskip("matplotlib")
-    _run(tiny_model, ("fp32", "O1"), steps=2, isolate=False, out_dir=tmp_path)
+    _run(tiny_model, ("fp32", "O1"), steps=3, isolate=False, out_dir=tmp_path)
     assert (tmp_path / "experiment.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -156,7 +156,7 @@ def test_job_name_is_honoured_and_job_module_found_in_cwd(tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.setattr(command, "_has_matplotlib", lambda: False)
-    code = _cli(["--job", "newcomer_jobs_pkg.jobs:make_job", "--variants", "O0", "--steps", "2", "--no-isolate",
+    code = _cli(["--job", "newcomer_jobs_pkg.jobs:make_job", "--variants", "O0", "--steps", "3", "--no-isolate",
                  "--out", str(tmp_path / "out")])
     captured = capsys.readouterr()
     sys.modules.pop("newcomer_jobs_pkg.jobs", None), sys.modules.pop("newcomer_jobs_pkg", None)

@@ -104,6 +104,7 @@ def _import_file(spec, path):
     if not os.path.isfile(full):
         raise ConfigError(f"--job {spec!r}: no such file: {path!r} (relative paths start from "
                           f"{os.getcwd()!r})")
+    folder_on_path(os.path.dirname(full))
     name = os.path.splitext(os.path.basename(full))[0]
     loaded = sys.modules.get(name)
     if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") == full:
@@ -119,6 +120,14 @@ def _import_file(spec, path):
         del sys.modules[name]
         raise job_error(spec, "importing it", exc) from None
     return module
+
+
+def folder_on_path(folder):
+    """The job file's folder first on ``sys.path``, as ``python path/to/file.py`` puts it, so that the file
+    imports its neighbours (spawned variants load the file the same way)."""
+    if folder in sys.path:
+        sys.path.remove(folder)
+    sys.path.insert(0, folder)
 
 
 def cwd_on_path():

@@ -161,7 +161,7 @@ def test_job_name_is_honoured_and_job_module_found_in_cwd(tmp_path, monkeypatch,
     captured = capsys.readouterr()
     sys.modules.pop("newcomer_jobs_pkg.jobs", None), sys.modules.pop("newcomer_jobs_pkg", None)
     assert code == 0, captured.err
-    assert "### my_named_job: 2 steps" in captured.out
+    assert "### my_named_job: 3 steps" in captured.out
     first = captured.err.splitlines()[0]  # the missing PNG is announced before anything runs
     assert first.startswith("amp-patch experiment: no experiment.png will be written"), captured.err
 

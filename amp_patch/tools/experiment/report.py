@@ -130,8 +130,8 @@ def _notes(report):
     planned = "" if rounds >= report["rounds"] else f" (of {report['rounds']} planned: Ctrl-C stopped the rest)"
     how = ("each round runs every variant in turn, each in its own process" if report["interleaved"] else
            "the rounds of one variant back to back")
-    return (f"Step times: median over {rounds} round{'s' if rounds != 1 else ''}{planned} ({how}) of each round's "
-            "median step, with the rounds' min-max; a ratio is the variant's step time over fp32's (or native's): below "
+    return (f"Step times: median over {rounds} round{'s' if rounds != 1 else ''}{planned} ({how}) of each "
+            "round's median step, with the rounds' min-max; a ratio is the variant's step time over fp32's (or native's): below "
             "1.00x is faster. It is taken round by round, and *n.s.* marks one whose min-max "
             f"includes 1.00x or that has fewer than {MIN_ROUNDS} rounds (not significant). Rows after fp32 go "
             f"fastest first, in the verdict's order. Peak memory: {'; '.join(kinds) or 'n/a'} (+ its growth during the "

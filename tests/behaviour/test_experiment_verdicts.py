@@ -170,3 +170,17 @@ def test_ctrl_c_after_every_round_finished_is_not_marked_partial():
     kept = command._kept(argparse.Namespace(out="out"), [report])
     assert kept == "; all 2 variant run(s) had finished their rounds; written to out/experiment.json"
     assert "partial" in command._kept(argparse.Namespace(out="out"), [report], jobs_left=True)
+
+
+def test_state_mib_counts_weights_grads_and_optimizer_state_once_each():
+    report = _tiny(variants="fp32,O1,O2", steps=3)
+    v = report["variants"]
+    params = sum(p.numel() for p in tiny_model().parameters())  # SGD without momentum: no optimizer state
+    fp32_bytes = params * 4 * 2  # weights and grads
+    assert v["fp32"]["state_mib"] * 2 ** 20 == fp32_bytes
+    assert v["O1"]["state_mib"] == v["fp32"]["state_mib"]  # O1 keeps fp32 weights: its casts are transient
+    # O2 as step() begins: half model weights (2 bytes) and fp32 masters with their grads (4 + 4); the half grads
+    # went into the masters' grads when scale_loss exited
+    assert v["O2"]["state_mib"] * 2 ** 20 == params * (2 + 4 + 4)
+    text = markdown(report)
+    assert "| state MiB |" in text and "State MiB: weights + grads + optimizer state" in text

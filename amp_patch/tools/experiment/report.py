@@ -87,7 +87,7 @@ def label(variant):
 
 
 _COLUMNS = ("variant", "status", "median step ms (min-max)", "step time vs fp32 (<1 faster)",
-            "vs native (<1 faster)", "peak mem MiB (+in run)",
+            "vs native (<1 faster)", "peak mem MiB (+in run)", "state MiB",
             "final loss", "max \\|Δloss\\| vs fp32", "skipped steps", "final loss scale", "casts/iter",
             "syncs/step")
 
@@ -98,7 +98,8 @@ def markdown(report):
     for name in table_order(report["variants"]):
         v = report["variants"][name]
         cells = [label(name), v["status"], _spread(v["median_step_ms"], v["step_ms_min"], v["step_ms_max"]),
-                 _times(v, "fp32"), _times(v, "native"), _memory(v), _num(v["final_loss"], 4),
+                 _times(v, "fp32"), _times(v, "native"), _memory(v), _num(v.get("state_mib"), 2),
+                 _num(v["final_loss"], 4),
                  _num(v["max_loss_deviation_from_fp32"], 4), str(v["skipped_steps"]),
                  _num(v["final_loss_scale"], 0), _num(v["casts_per_iteration"], 0), _num(v["syncs_per_step"], 0)]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
@@ -131,11 +132,13 @@ def _notes(report):
     how = ("each round runs every variant in turn, each in its own process" if report["interleaved"] else
            "the rounds of one variant back to back")
     return (f"Step times: median over {rounds} round{'s' if rounds != 1 else ''}{planned} ({how}) of each "
-            "round's median step, with the rounds' min-max; a ratio is the variant's step time over fp32's (or native's): below "
-            "1.00x is faster. It is taken round by round, and *n.s.* marks one whose min-max "
+            "round's median step, with the rounds' min-max; a ratio is the variant's step time over fp32's (or "
+            "native's): below 1.00x is faster. It is taken round by round, and *n.s.* marks one whose min-max "
             f"includes 1.00x or that has fewer than {MIN_ROUNDS} rounds (not significant). Rows after fp32 go "
-            f"fastest first, in the verdict's order. Peak memory: {'; '.join(kinds) or 'n/a'} (+ its growth during the "
-            "run). Casts/iter: aten._to_copy calls in one forward+backward+step.")
+            f"fastest first, in the verdict's order. Peak memory: {'; '.join(kinds) or 'n/a'} (+ its growth "
+            "during the run). State MiB: weights + grads + optimizer state (O2's fp32 masters included), from "
+            "the tensors' storages, each counted once. Casts/iter: aten._to_copy calls in one "
+            "forward+backward+step.")
 
 
 def _num(value, digits):

@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from .models import as_job, load_job
+from .state_bytes import state_mib
 from .variants import CastCounter, count_syncs, make_variant
 
 _COUNT_STEP, _SYNC_STEP = 1, 2
@@ -62,7 +63,8 @@ def new_result(variant, isolated):
             "weight_casts_per_iteration": None, "distinct_weights_cast": None, "syncs_per_step": None,
             "peak_memory_mib": None, "memory_at_start_mib": None, "memory_kind": None, "final_loss": None,
             "final_loss_scale": None, "rounds": [], "step_ms_min": None, "step_ms_max": None,
-            "peak_memory_median_mib": None, "peak_memory_min_mib": None, "peak_memory_max_mib": None}
+            "peak_memory_median_mib": None, "peak_memory_min_mib": None, "peak_memory_max_mib": None,
+            "state_mib": None}
 
 
 def mark_interrupted(result, config):
@@ -106,7 +108,16 @@ class VariantRun:
             self.result["threads"] = torch.get_num_threads()
             self._build()
             self.active = True
-            self._steps(self.config.untimed_steps(), None)
+            hook = self.optimizer.register_step_pre_hook(self._note_state)  # (untimed steps only)
+            try:
+                self._steps(self.config.untimed_steps(), None)
+            finally:
+                hook.remove()
+
+    def _note_state(self, optimizer, args, kwargs):
+        """As ``step()`` begins (grads in place, optimizer state from the last step): weights + grads +
+        optimizer state in MiB, the largest seen."""
+        self.result["state_mib"] = max(self.result["state_mib"] or 0.0, state_mib(self.model, optimizer))
 
     def run_round(self, steps):
         """Time ``steps`` more steps; their times become one entry of ``result["rounds"]``."""

@@ -184,3 +184,12 @@ def test_state_mib_counts_weights_grads_and_optimizer_state_once_each():
     assert v["O2"]["state_mib"] * 2 ** 20 == params * (2 + 4 + 4)
     text = markdown(report)
     assert "| state MiB |" in text and "State MiB: weights + grads + optimizer state" in text
+
+
+def test_the_report_says_whether_the_half_dtype_runs_on_hardware_here():
+    from amp_patch.tools.machine import half_hardware
+    report = _tiny(variants="fp32", steps=3)
+    expected = half_hardware("cpu", "bfloat16").sentence()
+    assert report["machine"].endswith(expected)
+    assert f"Machine: {report['machine']}." in markdown(report)
+    assert "bfloat16 runs on hardware" in expected or "bfloat16 runs in software only" in expected

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from ..machine import describe, half_hardware
 from .verdict import LOSS_TOLERANCE, MIN_ROUNDS, ranking, verdict
 
 log = logging.getLogger("amp_patch")
@@ -39,8 +40,14 @@ def summarize(job_name, config, results, isolated, loss_tolerance=LOSS_TOLERANCE
             "device": config.device, "seed": config.seed, "isolated": isolated, "threads": _threads(results),
             "rounds": len(config.round_sizes()), "rounds_finished": _rounds_finished(results),
             "interleaved": isolated and len(results) > 1,
-            "timeout_s": config.timeout_s, "torch_version": torch.__version__, "variants": variants,
+            "timeout_s": config.timeout_s, "torch_version": torch.__version__, "machine": machine_line(config),
+            "variants": variants,
             "verdict": verdict(variants, loss_tolerance)}
+
+
+def machine_line(config):
+    """The machine, and whether the half dtype runs on hardware here (the reading of ``tools/machine.py``)."""
+    return f"{describe(config.device)}; {half_hardware(config.device, config.half_dtype).sentence()}"
 
 
 def _rounds_finished(results):
@@ -94,7 +101,8 @@ _COLUMNS = ("variant", "status", "median step ms (min-max)", "step time vs fp32 
 
 def markdown(report):
     """A markdown section for one job: a heading, the table, notes on the columns and every variant's error."""
-    lines = [_heading(report), "", "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    lines = [_heading(report), ""] + ([f"Machine: {report['machine']}.", ""] if report.get("machine") else [])
+    lines += ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     for name in table_order(report["variants"]):
         v = report["variants"][name]
         cells = [label(name), v["status"], _spread(v["median_step_ms"], v["step_ms_min"], v["step_ms_max"]),

@@ -126,9 +126,12 @@ def test_progress_on_a_terminal_shows_elapsed_time_and_eta():
     bar = Progress(2, 10, stream=stream, tty=True, clock=lambda: now[0])
     bar.announce("starting 2 variants in separate processes...")
     bar.start("mlp O1")
-    now[0] += 30.0
-    bar.step(5)  # 5 of 20 steps in 30 s: 90 s to go
-    assert bar.line().endswith("25% mlp O1 5/10  0:30 elapsed, ETA 1:30"), bar.line()
+    now[0] += 20.0
+    bar.step(1)  # 20 s of start-up (processes, models) before the first step: not a step's cost
+    assert bar.line().endswith("5% mlp O1 1/10  0:20 elapsed, ETA ?"), bar.line()
+    now[0] += 10.0
+    bar.step(5)  # 4 steps in the 10 s since: 2.5 s a step, 15 steps to go
+    assert bar.line().endswith("25% mlp O1 5/10  0:30 elapsed, ETA 0:38"), bar.line()
     assert stream.getvalue().startswith("starting 2 variants in separate processes...\n\r[")
 
 

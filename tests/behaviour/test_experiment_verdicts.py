@@ -193,3 +193,22 @@ def test_the_report_says_whether_the_half_dtype_runs_on_hardware_here():
     assert report["machine"].endswith(expected)
     assert f"Machine: {report['machine']}." in markdown(report)
     assert "bfloat16 runs on hardware" in expected or "bfloat16 runs in software only" in expected
+
+
+def test_an_unquoted_version_says_yaml_read_it_as_a_number(tmp_path):
+    bad = tmp_path / "version.yaml"
+    bad.write_text("extends: apex\nadd:\n  half:\n    torch:\n      - name: matmul\n        min_torch: 2.10\n")
+    import amp_patch
+    from amp_patch.errors import OpListError
+    with pytest.raises(OpListError) as raised:
+        amp_patch.load_op_lists(str(bad))
+    assert "YAML read min_torch: 2.10 as the number 2.1, not the version 2.10; quote the version: " \
+           'min_torch: "2.10"' in str(raised.value)
+
+
+def test_an_opt_level_with_whitespace_gets_a_hint():
+    import torch
+
+    import amp_patch
+    with pytest.raises(ConfigError, match=r"whitespace around it: use 'O1'"):
+        amp_patch.initialize(torch.nn.Linear(2, 2), opt_level="O1 ", verbosity=0)

@@ -226,6 +226,7 @@ class Progress:
         self.label = ""
         self.clock = clock
         self.started = clock()
+        self._first = None  # (time, steps done) at the first step reported: the ETA's rate starts there
         self.tty = enabled and (_both_terminals(self.stream) if tty is None else tty)
 
     def announce(self, text):
@@ -241,6 +242,8 @@ class Progress:
 
     def step(self, done_in_run, label=None):
         self.done[label or self.label] = done_in_run
+        if self._first is None:
+            self._first = (self.clock(), sum(self.done.values()))
         self._render()
 
     def end_run(self, status, label=None):
@@ -259,10 +262,16 @@ class Progress:
         return min(1.0, sum(self.done.values()) / self.total)
 
     def times(self):
-        """``elapsed`` and ``eta`` in seconds (eta None until a step is done): the rate so far, extrapolated."""
-        elapsed = max(0.0, self.clock() - self.started)
-        frac = self.fraction()
-        return elapsed, (elapsed * (1.0 - frac) / frac if frac > 0 else None)
+        """``elapsed`` and ``eta`` in seconds. The ETA extrapolates the rate since the first step reported, not
+        since the start: starting the variant processes and building the models costs seconds before any step,
+        and counted into the rate it made the first ETA hours long. None until a second step is reported."""
+        now = self.clock()
+        elapsed = max(0.0, now - self.started)
+        done = sum(self.done.values())
+        if self._first is None or done <= self._first[1]:
+            return elapsed, None
+        rate = (now - self._first[0]) / (done - self._first[1])
+        return elapsed, rate * max(0, self.total - done)
 
     def line(self):
         frac = self.fraction()

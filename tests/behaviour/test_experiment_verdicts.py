@@ -212,3 +212,19 @@ def test_an_opt_level_with_whitespace_gets_a_hint():
     import amp_patch
     with pytest.raises(ConfigError, match=r"whitespace around it: use 'O1'"):
         amp_patch.initialize(torch.nn.Linear(2, 2), opt_level="O1 ", verbosity=0)
+
+
+def test_one_process_per_variant_serves_every_job_and_ends_with_the_experiment():
+    """Starting a variant process (importing torch) costs seconds of CPU: a quick check of three jobs must not
+    start fifteen. Each variant keeps its own process, and that process runs the variant's jobs in turn."""
+    import os
+
+    jobs = [Job(tiny_model, tiny_optimizer, tiny_data, tiny_loss, batch_size=8, name=n) for n in ("a", "b")]
+    first, second = run_experiment(jobs, variants="fp32,O1", steps=3, isolate=True, progress=False)
+    pids = {name: (first["variants"][name]["pid"], second["variants"][name]["pid"]) for name in ("fp32", "O1")}
+    assert pids["fp32"][0] == pids["fp32"][1] != pids["O1"][0] == pids["O1"][1]
+    assert all(r["variants"][n]["status"] == "ok" for r in (first, second) for n in ("fp32", "O1"))
+    assert second["variants"]["O1"]["isolated"] and second["variants"]["O1"]["peak_memory_mib"] > 0
+    for pid in (pids["fp32"][0], pids["O1"][0]):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -10,7 +10,7 @@ import torch
 from ...config.dtypes import parse_half_dtype
 from ...errors import ConfigError, ExperimentInterrupted, UsageError
 from ...session import state as _state
-from .isolation import IsolatedRun
+from .isolation import IsolatedRun, Processes
 from .models import Job, as_job, load_job
 from .plot import write_png
 from .report import Progress, markdown, summarize, write_json
@@ -65,14 +65,17 @@ def run_experiment(jobs, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat
     bar = Progress(sum(len(p[2]) for p in plans), config.steps, enabled=progress)
     bar.announce(_starting_line(refs, variants, config, isolate))
     reports = []
+    processes = Processes() if isolate else None  # one per variant, reused from job to job
     try:
         for ref, name, job_variants, job_config in plans:
-            reports.append(_run_job(ref, job_variants, job_config, isolate, bar, loss_tolerance, name))
+            reports.append(_run_job(ref, job_variants, job_config, isolate, bar, loss_tolerance, name, processes))
     except KeyboardInterrupt as stop:  # (ExperimentInterrupted from _run_job: its report so far)
         reports += getattr(stop, "reports", [])
         _write(reports, out_dir, partial=len(reports) < len(refs))
         raise ExperimentInterrupted(reports) from None
     finally:
+        if processes is not None:
+            processes.close()
         bar.close()
     _write(reports, out_dir, partial=False)
     return reports
@@ -194,14 +197,15 @@ def _check_not_interactive_main(job):
                               "or pass isolate=False")
 
 
-def _run_job(ref, variants, config, isolate, bar, loss_tolerance=LOSS_TOLERANCE, name="job"):
+def _run_job(ref, variants, config, isolate, bar, loss_tolerance=LOSS_TOLERANCE, name="job", processes=None):
     """Every variant of one job: set up, then the timed rounds (interleaved when isolated), then close."""
 
     def on_step(label):
         return lambda done: bar.step(done, label)
 
     if isolate:
-        runs = {v: IsolatedRun(ref, v, config, on_step=on_step(f"{name} {v}")) for v in variants}
+        runs = {v: IsolatedRun(ref, v, config, on_step=on_step(f"{name} {v}"),
+                               process=processes.get(v) if processes is not None else None) for v in variants}
         order = [list(runs.items())]  # one schedule for all: round i of every variant, then round i + 1
     else:  # one amp_patch session at a time in this process: each variant's rounds back to back
         runs = {v: VariantRun(job_from_ref(ref), v, config, on_step=on_step(f"{name} {v}")) for v in variants}

@@ -126,7 +126,7 @@ class VariantRun:
         record = {"round": len(self.result["rounds"]), "first_step": self.step, "step_times_ms": [],
                   "median_step_ms": None, "peak_memory_mib": None}
         self.result["rounds"].append(record)
-        before = _reset_peak_memory(self.device, self.result["isolated"])
+        before = reset_peak_memory(self.device, self.result["isolated"])
         if before is not None:
             self._peak_before_resets = max(before, self._peak_before_resets or 0.0)
         with self._guard():
@@ -302,7 +302,7 @@ def _finish(result, device, isolated):
         result["memory_kind"] = "process RSS peak" + ("" if isolated else " (shared by in-process variants)")
 
 
-def _reset_peak_memory(device, own_process):
+def reset_peak_memory(device, own_process):
     """Start a round's peak-memory window: returns the peak so far (MiB), read before resetting it, or None when
     the peak cannot be reset for the round (CPU in a process that is not the variant's own, or not Linux)."""
     if device.type == "cuda":

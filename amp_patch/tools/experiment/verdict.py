@@ -100,6 +100,8 @@ def _head(v, variants):
         if v["leader"] != name:
             head += f"; {_unproven(v['leader'], variants)}"
         return head
+    if len(variants) == 1:
+        return "only fp32 (O0) ran: nothing to compare"
     if not v["compared"]:
         return "nothing to compare: no variant besides fp32 (O0) finished a timed round within tolerance"
     leader = v["leader"]

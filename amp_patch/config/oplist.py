@@ -189,7 +189,7 @@ def _version_message(name, key, value, path, line):
     if not isinstance(value, float):
         return f'{name}: {key} {value!r} is not a version string such as "2.1" (quote it)'
     written = _written_token(path, line, key) or str(value)
-    return (f"{name}: YAML read {key}: {written} as the number {value!r}" + (f", not the version {written}"
+    return (f"{name}: {key}: YAML read {written} as the number {value!r}" + (f", not the version {written}"
             if written != str(value) else "") + f'; quote the version: {key}: "{written}"')
 
 

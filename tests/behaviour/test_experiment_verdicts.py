@@ -70,8 +70,8 @@ def test_a_lead_that_is_not_significant_is_never_recommended():
     result = verdict(variants)
     assert result["fastest"] == "fp32"
     assert result["text"].startswith("Verdict: no significant difference over 5 rounds: stay with fp32, or rerun "
-                                     "with more --rounds/--steps (O3 measured 0.80x, not significant: its rounds' "
-                                     "min-max 0.13-8.28 includes 1.00x)")
+                                     "with more --rounds/--steps (O3, whose loss stays within 5% of fp32's, measured "
+                                     "0.80x, not significant: its rounds' min-max 0.13-8.28 includes 1.00x)")
 
 
 def test_a_significant_lead_is_recommended_and_a_faster_unproven_one_named():
@@ -202,7 +202,7 @@ def test_an_unquoted_version_says_yaml_read_it_as_a_number(tmp_path):
     from amp_patch.errors import OpListError
     with pytest.raises(OpListError) as raised:
         amp_patch.load_op_lists(str(bad))
-    assert "YAML read min_torch: 2.10 as the number 2.1, not the version 2.10; quote the version: " \
+    assert "matmul: min_torch: YAML read 2.10 as the number 2.1, not the version 2.10; quote the version: " \
            'min_torch: "2.10"' in str(raised.value)
 
 

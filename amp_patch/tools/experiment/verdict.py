@@ -107,7 +107,7 @@ def _head(v, variants):
     leader = v["leader"]
     if leader != "fp32" and variants[leader]["ratio_to_fp32"] < 1.0:
         return (f"no significant difference over {_rounds(rounds)}: stay with fp32, "
-                f"or rerun with more --rounds/--steps ({_unproven(leader, variants)})")
+                f"or rerun with more --rounds/--steps ({_unproven(leader, variants, tolerance)})")
     return f"stay with {_label('fp32')}: no variant whose loss stays within {tolerance} of fp32's is faster here"
 
 
@@ -115,12 +115,13 @@ def _rounds(n):
     return f"{n} round{'s' if n != 1 else ''}" if n else "the rounds"
 
 
-def _unproven(name, variants):
+def _unproven(name, variants, tolerance=None):
     v = variants[name]
     low, high = v["ratio_to_fp32_min"], v["ratio_to_fp32_max"]
     why = (f"its rounds' min-max {low:.2f}-{high:.2f} includes 1.00x" if low <= 1.0 <= high else
            f"only {_rounds(timed_rounds(v))}, and a min-max needs at least {MIN_ROUNDS}")
-    return f"{_label(name)} measured {v['ratio_to_fp32']:.2f}x, not significant: {why}"
+    within = f", whose loss stays within {tolerance} of fp32's," if tolerance else ""
+    return f"{_label(name)}{within} measured {v['ratio_to_fp32']:.2f}x, not significant: {why}"
 
 
 def _pct(gap):

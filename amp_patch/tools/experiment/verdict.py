@@ -108,7 +108,8 @@ def _head(v, variants):
     if leader != "fp32" and variants[leader]["ratio_to_fp32"] < 1.0:
         return (f"no significant difference over {_rounds(rounds)}: stay with fp32, "
                 f"or rerun with more --rounds/--steps ({_unproven(leader, variants, tolerance)})")
-    return f"stay with {_label('fp32')}: no variant whose loss stays within {tolerance} of fp32's is faster here"
+    return (f"stay with {_label('fp32')}: no variant whose loss stays within {tolerance} of fp32's is faster here; "
+            "`amp-patch speed --job MODULE:FUNCTION` shows what holds its step back (docs/speed.md)")
 
 
 def _rounds(n):
@@ -117,9 +118,10 @@ def _rounds(n):
 
 def _unproven(name, variants, tolerance=None):
     v = variants[name]
-    low, high = v["ratio_to_fp32_min"], v["ratio_to_fp32_max"]
+    low, high = v.get("ratio_to_fp32_min", v["ratio_to_fp32"]), v.get("ratio_to_fp32_max", v["ratio_to_fp32"])
     why = (f"its rounds' min-max {low:.2f}-{high:.2f} includes 1.00x" if low <= 1.0 <= high else
-           f"only {_rounds(timed_rounds(v))}, and a min-max needs at least {MIN_ROUNDS}")
+           (f"only {_rounds(timed_rounds(v))}, and a min-max needs at least {MIN_ROUNDS}" if timed_rounds(v) else
+            f"a min-max needs at least {MIN_ROUNDS} rounds"))
     within = f", whose loss stays within {tolerance} of fp32's," if tolerance else ""
     return f"{_label(name)}{within} measured {v['ratio_to_fp32']:.2f}x, not significant: {why}"
 

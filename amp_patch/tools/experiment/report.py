@@ -3,6 +3,7 @@ import json
 import logging
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -46,8 +47,10 @@ def summarize(job_name, config, results, isolated, loss_tolerance=LOSS_TOLERANCE
 
 
 def machine_line(config):
-    """The machine, and whether the half dtype runs on hardware here (the reading of ``tools/machine.py``)."""
-    return f"{describe(config.device)}; {half_hardware(config.device, config.half_dtype).sentence()}"
+    """The machine, and whether the half dtype runs on hardware here (the reading of ``tools/machine.py``); the
+    runs' thread count is the heading's, not this process's."""
+    machine = re.sub(r", \d+ threads?$", "", describe(config.device))
+    return f"{machine}; {half_hardware(config.device, config.half_dtype).sentence()}"
 
 
 def _rounds_finished(results):

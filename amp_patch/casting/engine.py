@@ -176,6 +176,10 @@ class CastingEngine:
             self._paused.add(ident)
             self.disabled.enter()
 
+    def in_step(self):
+        """Whether this thread is inside an optimizer step's pause (the trace leaves those calls out)."""
+        return threading.get_ident() in self._paused
+
     def resume_after_step(self):
         """End a step pause; also called before each forward of the models and on scale_loss entry, so a step
         that raised cannot leave casting off in this thread."""

@@ -8,6 +8,7 @@ import importlib.resources
 import logging
 import os
 import pathlib
+import re
 from collections.abc import Mapping
 
 import torch
@@ -194,6 +195,26 @@ def _as_seq(seq):
     return out
 
 
+def _version_message(name, key, value, path, line):
+    """A version YAML read as a number names what was written: ``2.10`` unquoted is the float 2.1."""
+    if not isinstance(value, float):
+        return f'{name}: {key} {value!r} is not a version string such as "2.1" (quote it)'
+    written = _written_token(path, line, key) or str(value)
+    return (f"{name}: {key}: YAML read {written} as the number {value!r}" + (f", not the version {written}"
+            if written != str(value) else "") + f'; quote the version: {key}: "{written}"')
+
+
+def _written_token(path, line, key):
+    """The number as the file spells it, on the entry's line or the few after it (None if not found)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()[line - 1:line + 8]
+    except (OSError, TypeError, ValueError):
+        return None
+    found = (re.search(rf"\b{key}\s*:\s*([0-9][0-9.]*)", text) for text in lines)
+    return next((m.group(1) for m in found if m), None)
+
+
 class _Document:
     """One parsed YAML document and the rules that turn it into a table."""
 
@@ -347,8 +368,7 @@ class _Document:
                         raise TypeError(item[key])
                     torch.torch_version.Version(str(item[key]))
                 except Exception:  # noqa: BLE001 - packaging raises its own InvalidVersion
-                    raise self.error(line, f"{name}: {key} {item[key]!r} is not a version string such as "
-                                     '"2.1" (quote it)', name) from None
+                    raise self.error(line, _version_message(name, key, item[key], self.opened, line), name) from None
 
     def _apply_remove(self, entries, block, line):
         if not isinstance(block, _yaml.Map):

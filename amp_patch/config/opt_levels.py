@@ -51,7 +51,9 @@ def check_opt_level(opt_level):
     if opt_level in _DEFAULTS:
         return opt_level
     hint = ""
-    if isinstance(opt_level, str) and opt_level.upper().replace("0", "O", 1) in _DEFAULTS and opt_level[:1] == "0":
+    if isinstance(opt_level, str) and opt_level != opt_level.strip() and opt_level.strip().upper() in _DEFAULTS:
+        hint = f" It has whitespace around it: use {opt_level.strip().upper()!r}."
+    elif isinstance(opt_level, str) and opt_level.upper().replace("0", "O", 1) in _DEFAULTS and opt_level[:1] == "0":
         hint = (f" The first character is the digit zero; opt levels start with the capital letter O "
                 f"(\"{'O' + opt_level[1:]}\").")
     elif isinstance(opt_level, str) and opt_level.upper() in _DEFAULTS:

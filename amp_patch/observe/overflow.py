@@ -10,6 +10,7 @@ per-step records that also watches for a collapsing loss scale.
 import collections
 import contextlib
 import logging
+import time
 
 import torch
 
@@ -26,7 +27,13 @@ _COLLAPSE_HINT = ("a loss scale stuck at its floor usually means a genuine inf/N
 
 
 class OverflowDiagnoser:
-    """Forward hooks flagging bad module outputs; turns flags + grads into an overflow record."""
+    """Forward hooks flagging bad module outputs; turns flags + grads into an overflow record.
+
+    Every overflow is recorded; its WARNING line is rate-limited like the scaler's own message: at most one per
+    ``log_interval`` seconds, the next one saying how many were not logged in between."""
+
+    log_interval = 10.0
+    clock = staticmethod(time.monotonic)
 
     def __init__(self, models, half_dtype, tracer=None, quiet=contextlib.nullcontext, max_flags=100_000):
         self.limit = torch.finfo(half_dtype).max
@@ -38,6 +45,8 @@ class OverflowDiagnoser:
         self.handles = forward_hooks([(module, _FlagOutputs(self, name or type(model).__name__))
                                       for model in models for name, module in model.named_modules()])
         self.handles += [forward_pre_hook(model, _FlagInputs(self), with_kwargs=True) for model in models]
+        self._last_log_time = None
+        self._suppressed = 0
 
     def _input_hook(self, module, args, kwargs):
         tensors = [t for t in iter_tensors((args, kwargs)) if t.is_floating_point() and t.numel()]
@@ -76,12 +85,22 @@ class OverflowDiagnoser:
         record = {"loss_id": loss_id, "loss_scale": scale, "first_bad_module": self.first_bad_module(),
                   "input_nonfinite": any(bool(flag) for flag in self.inputs), "params": self.bad_grads(masters)}
         self.reset()
-        origin = record["first_bad_module"]
-        log.warning("overflow (loss %d, scale %s): first non-finite/out-of-range module output: %s; "
-                    "params with non-finite grads: %s", loss_id, scale,
-                    f"{origin['module']} (last op {origin['op']}, {origin['category']})" if origin else "none found",
-                    ", ".join(f"{r['param']} ({r['nonfinite']})" for r in record["params"][:8]) or "none")
+        self._log(record)
         return record
+
+    def _log(self, record):
+        now = self.clock()
+        if self._last_log_time is not None and now - self._last_log_time < self.log_interval:
+            self._suppressed += 1
+            return
+        origin = record["first_bad_module"]
+        more = (f" ({self._suppressed} similar message(s) suppressed in the last {now - self._last_log_time:.1f} s; "
+                "amp_patch.history() keeps every record)" if self._suppressed else "")
+        log.warning("overflow (loss %d, scale %s): first non-finite/out-of-range module output: %s; "
+                    "params with non-finite grads: %s%s", record["loss_id"], record["loss_scale"],
+                    f"{origin['module']} (last op {origin['op']}, {origin['category']})" if origin else "none found",
+                    ", ".join(f"{r['param']} ({r['nonfinite']})" for r in record["params"][:8]) or "none", more)
+        self._last_log_time, self._suppressed = now, 0
 
     def reset(self):
         self.flags.clear()

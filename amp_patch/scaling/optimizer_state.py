@@ -29,6 +29,7 @@ from ..config.dtypes import HALF_DTYPES
 from ..errors import UsageError
 from ..model.transform import carry_edits
 from ..parallel import ddp as distributed
+from . import unscaled
 from .remainder import Fp32Masters
 from .unscale import unscale_
 
@@ -147,6 +148,7 @@ class OptimizerState:
         """
         self._sync_groups()
         self.claim()
+        unscaled.note_scaled(self)
         self.check_foreign("scale_loss")
         if self.skip_next and not self._any_grad():
             self.skip_next = False  # grads cleared (e.g. model.zero_grad()) after an overflow: nothing to skip
@@ -294,6 +296,7 @@ class OptimizerState:
         self.check_foreign("optimizer.step()")
         self._check_backward_outside()
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
+        unscaled.check_step(self, closure)
         if self.engine is not None and closure is None:  # a closure runs a forward: keep casting for it
             self.engine.pause_for_step()
         if self.pending_scaler is not None:  # the last backward was delayed (or raised): finish it now

@@ -21,6 +21,8 @@ def add_parser(subparsers):
                         "(mlp, cnn, transformer; default transformer)")
     parser.add_argument("--opt-level", default="O1", choices=["O1"], help="tracing needs O1's patches")
     add_half_dtype(parser, "bfloat16", "as amp-patch experiment; see README, 'Half dtype'")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the iteration runs "
+                        "(default cpu)")
     parser.add_argument("--op-lists", default=None,
                         help="shipped list name or YAML path (default: initialize's, the model's device's torch list)")
     parser.add_argument("--no-modules", action="store_true", help="do not attribute calls to modules")
@@ -40,16 +42,28 @@ def _job(args):
     return BUILTIN[args.model]()
 
 
-def trace_one_iteration(job, *, half_dtype=torch.bfloat16, op_lists=None, modules=True):
-    """Run one forward/backward/step of ``job`` under O1 inside ``amp_patch.trace()``; returns the tracer."""
+def check_device(device):
+    """``device`` ("cpu", "cuda"), refused with the fix where this machine's torch has no CUDA."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise AmpPatchError(f"--device {device}, but torch.cuda.is_available() is False on this machine (torch "
+                            f"{torch.__version__}); use --device cpu, or install a CUDA build of torch on a machine "
+                            "with an NVIDIA GPU")
+    return torch.device(device)
+
+
+def trace_one_iteration(job, *, half_dtype=torch.bfloat16, op_lists=None, modules=True, device="cpu"):
+    """Run one forward/backward/step of ``job`` under O1 inside ``amp_patch.trace()``; returns the tracer. The
+    optimizer's own step is not listed: casting is paused inside ``step()``."""
     import amp_patch
 
+    device = check_device(device)
     torch.manual_seed(0)
-    model = job.model_fn()
+    model = job.model_fn().to(device)
     optimizer = job.optimizer_fn(model)
     data = job.data_fn()
     batch = tuple(t[: job.batch_size] for t in data) if isinstance(data, tuple) else next(iter(
         torch.utils.data.DataLoader(data, batch_size=job.batch_size)))
+    batch = [t.to(device) if torch.is_tensor(t) else t for t in batch]
     model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O1", half_dtype=half_dtype,
                                             op_lists=op_lists, verbosity=0)
     try:
@@ -66,8 +80,9 @@ def trace_one_iteration(job, *, half_dtype=torch.bfloat16, op_lists=None, module
 def run_command(args):
     echo_half_dtype("trace", args)
     try:
+        check_device(args.device)
         tracer = trace_one_iteration(_job(args), half_dtype=parse_half_dtype(args.half_dtype), op_lists=args.op_lists,
-                                     modules=not args.no_modules)
+                                     modules=not args.no_modules, device=args.device)
     except AmpPatchError as exc:
         return error("trace", exc, args)
     except Exception as exc:  # noqa: BLE001 - the job's own code raised (else job_raised is None: re-raise)

@@ -45,9 +45,10 @@ def broken_job():
 '''
 RAISE_LINE = JOBS.splitlines().index('    raise FileNotFoundError("no such data directory: ./data")') + 1
 
-# each command with the arguments that make it cheap (the experiment in-process, one variant, two steps)
+# each command with the arguments that make it cheap (the experiment in-process, one variant, three steps: the
+# first two are untimed, and a run that times none is refused)
 COMMANDS = {
-    "experiment": ["--variants", "fp32", "--steps", "2", "--rounds", "1", "--no-isolate", "--no-progress",
+    "experiment": ["--variants", "fp32", "--steps", "3", "--rounds", "1", "--no-isolate", "--no-progress",
                    "--out", "out"],
     "trace": [],
     "doctor": ["--steps", "2"],
@@ -99,6 +100,20 @@ def test_a_raising_job_is_one_line_naming_the_job_the_exception_and_its_line(com
     assert err[0].startswith(f"amp-patch {command}: error: --job {job!r} raised FileNotFoundError: no such data "
                              f"directory: ./data"), err
     assert f"at {where}:{RAISE_LINE}" in err[0], err
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_path_style_job_imports_its_neighbours_as_python_file_py_does(command, jobs_dir, capsys):
+    (jobs_dir / "sub" / "mytrain.py").write_text(JOBS.replace('"cwd_job"', '"neighbour_job"'))
+    (jobs_dir / "sub" / "entry.py").write_text("from mytrain import make_job  # noqa: F401\n")
+    try:
+        status = _main(command, "sub/entry.py:make_job")
+        captured = capsys.readouterr()
+        assert status == 0, captured.err
+        assert "ModuleNotFoundError" not in captured.err
+    finally:
+        for name in ("mytrain", "entry"):
+            sys.modules.pop(name, None)
 
 
 def test_verbose_adds_the_full_traceback(jobs_dir, capsys):

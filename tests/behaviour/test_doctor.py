@@ -47,6 +47,10 @@ def test_the_written_list_extends_the_input_and_fixes_training(attention_report)
     assert fixed.final_loss == pytest.approx(fp32.final_loss, rel=0.10)
     markdown = report.to_markdown()
     assert "attn | torch.bmm | half | op_lists/apex.yaml:" in markdown and "```yaml" in markdown
+    assert text.endswith("\n")
+    # how to measure it: the experiment runs O1 once per list
+    assert f"`amp-patch experiment --job MODULE:FUNCTION --half-dtype float16 --variants O0,O1 --op-lists apex {out}`" \
+        in markdown
 
 
 def test_the_markdown_report_has_skips_before_and_after_with_causes_and_the_loss_vs_float32(attention_report):

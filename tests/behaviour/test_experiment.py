@@ -103,7 +103,7 @@ def test_all_variants_in_process_report_structure(tmp_path):
 
 def test_png_is_a_valid_image(tmp_path):
     pytest.importorskip("matplotlib")
-    _run(tiny_model, ("fp32", "O1"), steps=2, isolate=False, out_dir=tmp_path)
+    _run(tiny_model, ("fp32", "O1"), steps=3, isolate=False, out_dir=tmp_path)
     assert (tmp_path / "experiment.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -150,7 +150,7 @@ def test_diverging_variant_is_reported(tmp_path):
 
 def test_isolate_needs_importable_functions():
     with pytest.raises(amp_patch.ConfigError, match="isolate=False"):
-        compare(lambda: tiny_model(), tiny_optimizer, tiny_data, tiny_loss, steps=1, progress=False)
+        compare(lambda: tiny_model(), tiny_optimizer, tiny_data, tiny_loss, steps=3, progress=False)
     with pytest.raises(amp_patch.ConfigError, match="allowed"):
         _run(tiny_model, ("fp32", "O4"), isolate=False)
     with pytest.raises(ValueError, match="steps"):
@@ -165,12 +165,12 @@ def _cli(argv):
 
 
 def test_cli_runs_a_user_job(tmp_path, capsys):
-    code = _cli(["--job", f"{__name__}:tiny_job", "--variants", "fp32,O1", "--steps", "2", "--no-isolate",
+    code = _cli(["--job", f"{__name__}:tiny_job", "--variants", "fp32,O1", "--steps", "3", "--no-isolate",
                  "--no-progress", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0
-    assert "### tiny_job: 2 steps, bfloat16, cpu" in out and "| O1 | ok |" in out and "| O0 (fp32) | ok |" in out
-    assert json.loads((tmp_path / "experiment.json").read_text())["jobs"]["tiny_job"]["steps"] == 2
+    assert "### tiny_job: 3 steps, bfloat16, cpu" in out and "| O1 | ok |" in out and "| O0 (fp32) | ok |" in out
+    assert json.loads((tmp_path / "experiment.json").read_text())["jobs"]["tiny_job"]["steps"] == 3
 
 
 def test_cli_rejects_a_bad_job(tmp_path, capsys):
@@ -180,7 +180,7 @@ def test_cli_rejects_a_bad_job(tmp_path, capsys):
 
 
 def test_builtin_job_by_spec_in_process():
-    [report] = run_experiment(["amp_patch.tools.experiment.models:mlp"], variants="O1", steps=2, isolate=False,
+    [report] = run_experiment(["amp_patch.tools.experiment.models:mlp"], variants="O1", steps=3, isolate=False,
                               progress=False)
     assert report["job"] == "mlp" and report["variants"]["O1"]["status"] == "ok"
 

@@ -156,12 +156,12 @@ def test_job_name_is_honoured_and_job_module_found_in_cwd(tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.setattr(command, "_has_matplotlib", lambda: False)
-    code = _cli(["--job", "newcomer_jobs_pkg.jobs:make_job", "--variants", "O0", "--steps", "2", "--no-isolate",
+    code = _cli(["--job", "newcomer_jobs_pkg.jobs:make_job", "--variants", "O0", "--steps", "3", "--no-isolate",
                  "--out", str(tmp_path / "out")])
     captured = capsys.readouterr()
     sys.modules.pop("newcomer_jobs_pkg.jobs", None), sys.modules.pop("newcomer_jobs_pkg", None)
     assert code == 0, captured.err
-    assert "### my_named_job: 2 steps" in captured.out
+    assert "### my_named_job: 3 steps" in captured.out
     first = captured.err.splitlines()[0]  # the missing PNG is announced before anything runs
     assert first.startswith("amp-patch experiment: no experiment.png will be written"), captured.err
 
@@ -220,15 +220,17 @@ def _report_with_memory():
     for name, (start, peak) in {"fp32": (300.0, 310.0), "O1": (305.0, 345.0)}.items():
         v = new_result(name, True)
         v.update(median_step_ms=1.0, step_ms_min=0.9, step_ms_max=1.2, peak_memory_mib=peak,
-                 memory_at_start_mib=start, memory_kind="process RSS peak", loss_scales=[1.0, 1.0])
+                 memory_at_start_mib=start, memory_kind="process RSS peak", loss_scales=[1.0, 1.0],
+                 state_mib={"fp32": 0.5, "O1": 0.5}[name])
         variants[name] = v
     return {"job": "j", "variants": variants, "verdict": {"text": "Verdict: stay with O0 (fp32)."}}
 
 
-def _bars(ax):
-    """(heights, [(low, high)] of the error bars or None) of the one bar chart on ax."""
+def _bars(ax, index=None):
+    """(heights, [(low, high)] of the error bars or None) of the one bar chart on ax (or its ``index``-th)."""
     from matplotlib.container import BarContainer
-    (container,) = [c for c in ax.containers if isinstance(c, BarContainer)]
+    containers = [c for c in ax.containers if isinstance(c, BarContainer)]
+    (container,) = containers if index is None else containers[index:index + 1]
     heights = [patch.get_height() for patch in container.patches]
     if container.errorbar is None:
         return heights, None
@@ -240,5 +242,6 @@ def test_png_shows_each_variants_memory_growth_and_the_step_times_spread():
     """Not whole-process RSS, in which every variant looks the same."""
     Figure = pytest.importorskip("matplotlib.figure").Figure
     axes = plot.draw_row(Figure().subfigures(1, 1), _report_with_memory())
-    assert _bars(axes["memory"]) == ([10.0, 40.0], None) and "growth" in axes["memory"].get_title()
+    assert _bars(axes["memory"], 0) == ([10.0, 40.0], None) and "growth" in axes["memory"].get_title()
+    assert _bars(axes["memory"], 1) == ([0.5, 0.5], None)  # beside it: weights + grads + optimizer state
     assert _bars(axes["time"]) == ([1.0, 1.0], [(0.9, 1.2), (0.9, 1.2)])

@@ -35,6 +35,7 @@ class DoctorReport:
     fp32_final_loss: float = None
     op_list: str = None  # the YAML text of the fix
     written: str = None  # where it was written
+    measure: str = None  # the experiment command that measures the written list against the one it extends
     log: list = dataclasses.field(default_factory=list)
     seconds: dict = dataclasses.field(default_factory=dict)
 
@@ -211,6 +212,9 @@ def _write(report, base, out):
     with open(out, "w", encoding="utf-8") as f:
         f.write(text)
     report.op_list, report.written = text, os.fspath(out)
+    job = report.job if ":" in report.job else "MODULE:FUNCTION"
+    report.measure = (f"amp-patch experiment --job {job} --half-dtype {report.half_dtype} --variants O0,O1 "
+                      f"--op-lists {base} {report.written}")
 
 
 def _fix_from(row):

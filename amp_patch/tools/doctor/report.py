@@ -45,6 +45,8 @@ def markdown(report):
     if r.op_list and r.status == "fixed":
         lines += ["", f"Written to {r.written}:" if r.written else "The op list (pass --out FILE to write it):",
                   "", "```yaml", r.op_list.rstrip(), "```"]
+    if r.measure:
+        lines += ["", f"Measure it against the list it extends (step time, loss): `{r.measure}`"]
     if r.log:
         lines += ["", "## Search", ""] + [f"    {line}" for line in r.log]
     if r.seconds:

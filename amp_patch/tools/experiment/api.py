@@ -1,4 +1,5 @@
 """``compare`` (one job, Python API) and ``run_experiment`` (several jobs, what the CLI calls)."""
+import dataclasses
 import logging
 import math
 import pickle
@@ -9,20 +10,20 @@ import torch
 from ...config.dtypes import parse_half_dtype
 from ...errors import ConfigError, ExperimentInterrupted, UsageError
 from ...session import state as _state
-from .isolation import IsolatedRun
+from .isolation import IsolatedRun, Processes
 from .models import Job, as_job, load_job
 from .plot import write_png
 from .report import Progress, markdown, summarize, write_json
 from .runner import Config, VariantRun, job_from_ref, mark_interrupted
-from .variants import VARIANTS, parse_variants
-from .verdict import LOSS_TOLERANCE
+from .variants import VARIANTS, expand_op_lists, op_list_pairs, parse_variants
+from .verdict import LOSS_TOLERANCE, MIN_ROUNDS
 
 log = logging.getLogger("amp_patch")
 
 
 def compare(model_fn, optimizer_fn, data_fn, loss_fn, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat16,
             device="cpu", seed=0, out_dir=None, isolate=True, batch_size=32, name="job", progress=True,
-            threads=None, rounds=5, timeout_s=600.0, loss_tolerance=LOSS_TOLERANCE):
+            threads=None, rounds=5, timeout_s=600.0, loss_tolerance=LOSS_TOLERANCE, op_lists=None):
     """Train the same job under each variant (fp32/O0, O1, O2, O3, native autocast) and report.
 
     Each variant runs in its own spawned process (``isolate=True``; the four callables must then be
@@ -34,42 +35,58 @@ def compare(model_fn, optimizer_fn, data_fn, loss_fn, *, variants=VARIANTS, step
     split into ``rounds`` rounds; with ``isolate=True`` each round runs every variant in turn (interleaved),
     and a variant process working longer than ``timeout_s`` seconds in all is killed and reported as
     ``timeout`` (None: no limit). ``loss_tolerance``: the verdict's bound on a variant's loss gap to fp32,
-    relative to fp32's loss (:mod:`amp_patch.tools.experiment.verdict`). Ctrl-C raises
+    relative to fp32's loss (:mod:`amp_patch.tools.experiment.verdict`). ``op_lists``: shipped names or YAML
+    files; O1 then runs once per list (variants ``O1 [apex]``, ``O1 [fixed.yaml]``). Ctrl-C raises
     :class:`~amp_patch.errors.ExperimentInterrupted`, whose ``reports`` hold the finished rounds (also written
     to ``out_dir``, marked ``partial``).
     """
     job = as_job(Job(model_fn, optimizer_fn, data_fn, loss_fn, batch_size=batch_size, name=name))
     return run_experiment([job], variants=variants, steps=steps, half_dtype=half_dtype, device=device, seed=seed,
                           out_dir=out_dir, isolate=isolate, progress=progress, threads=threads, rounds=rounds,
-                          timeout_s=timeout_s, loss_tolerance=loss_tolerance)[0]
+                          timeout_s=timeout_s, loss_tolerance=loss_tolerance, op_lists=op_lists)[0]
 
 
 def run_experiment(jobs, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat16, device="cpu", seed=0,
                    out_dir=None, isolate=True, progress=True, threads=None, rounds=5, timeout_s=600.0,
-                   loss_tolerance=LOSS_TOLERANCE):
+                   loss_tolerance=LOSS_TOLERANCE, op_lists=None):
     """Run every job (a :class:`Job` or a ``module:function`` string) under every variant; a list of reports.
-    The keywords are :func:`compare`'s."""
+    ``op_lists`` (shipped names or YAML files; else each job's own ``Job.op_lists``): O1 runs once per list, as
+    the variants ``O1 [name]``. The other keywords are :func:`compare`'s."""
     config = make_config(steps, half_dtype, device, seed, threads, rounds, timeout_s)
-    variants = parse_variants(variants)
+    variants = with_reference(parse_variants(variants))
     _check_tolerance(loss_tolerance)
+    shared = op_list_pairs(op_lists)
+    expand_op_lists(variants, shared)  # refuses op lists without O1 before any job loads
     refs = [_check_ref(ref, isolate) for ref in jobs]
     if not isolate and _state.current() is not None:
         raise UsageError("an amp_patch session is active; call amp_patch.deinitialize() before running an "
                          "in-process experiment (or pass isolate=True)")
-    bar = Progress(len(refs) * len(variants), config.steps, enabled=progress)
+    plans = [_plan(ref, variants, config, shared if op_lists is not None else None) for ref in refs]
+    bar = Progress(sum(len(p[2]) for p in plans), config.steps, enabled=progress)
     bar.announce(_starting_line(refs, variants, config, isolate))
     reports = []
+    processes = Processes() if isolate else None  # one per variant, reused from job to job
     try:
-        for ref in refs:
-            reports.append(_run_job(ref, variants, config, isolate, bar, loss_tolerance))
-    except KeyboardInterrupt as stop:  # (ExperimentInterrupted from _run_job: its partial report)
+        for ref, name, job_variants, job_config in plans:
+            reports.append(_run_job(ref, job_variants, job_config, isolate, bar, loss_tolerance, name, processes))
+    except KeyboardInterrupt as stop:  # (ExperimentInterrupted from _run_job: its report so far)
         reports += getattr(stop, "reports", [])
-        _write(reports, out_dir, partial=True)
+        _write(reports, out_dir, partial=len(reports) < len(refs))
         raise ExperimentInterrupted(reports) from None
     finally:
+        if processes is not None:
+            processes.close()
         bar.close()
     _write(reports, out_dir, partial=False)
     return reports
+
+
+def _plan(ref, variants, config, shared):
+    """``(ref, job name, variants, config)`` of one job: O1 expanded into its op lists (the experiment's, or the
+    job's own ``Job.op_lists``), whose specs travel in the config."""
+    job = ref if isinstance(ref, Job) else load_job(ref)  # the job's own name and op lists, if it gives them
+    pairs = shared if shared is not None else op_list_pairs(job.op_lists or None)
+    return ref, job.name, expand_op_lists(variants, pairs), dataclasses.replace(config, op_lists=pairs)
 
 
 def _write(reports, out_dir, partial):
@@ -78,16 +95,40 @@ def _write(reports, out_dir, partial):
         write_png(reports, out_dir)
 
 
+def with_reference(variants):
+    """``variants`` with fp32 (O0) first when it is missing: every ratio and loss gap is taken against it."""
+    if "fp32" in variants:
+        return variants
+    log.info("experiment: fp32 (O0) added to the variants: it is the reference of every ratio and loss gap")
+    return ("fp32",) + tuple(variants)
+
+
 def _starting_line(refs, variants, config, isolate):
     where = "in separate processes" if isolate else "in this process"
     jobs = f" x {len(refs)} jobs" if len(refs) > 1 else ""
     return (f"starting {len(variants)} variant{'s' if len(variants) != 1 else ''}{jobs} {where} "
-            f"({config.steps} steps, {str(config.half_dtype).replace('torch.', '')}, {config.device})...")
+            f"({config.steps} steps, {str(config.half_dtype).replace('torch.', '')}, {config.device}"
+            f"{_fewer_rounds(config)})...")
+
+
+def _fewer_rounds(config):
+    """Says so when the timed steps are too few for the rounds asked for (a quick check)."""
+    sizes = config.round_sizes()
+    if len(sizes) >= config.rounds:
+        return ""
+    timed = sum(sizes)
+    return (f"; {timed} timed step{'s' if timed != 1 else ''}, so {len(sizes)} round{'s' if len(sizes) != 1 else ''}"
+            f" instead of {config.rounds}" + (f" (a significant verdict needs {MIN_ROUNDS})"
+                                              if len(sizes) < MIN_ROUNDS else ""))
 
 
 def _check_tolerance(value):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
         raise ConfigError(f"loss_tolerance={value!r}; pass a number >= 0 (0.05: a loss within 5% of fp32's)")
+    if value > 1:
+        raise ConfigError(f"loss_tolerance={value!r} is a fraction of fp32's loss: {value!r} accepts a loss "
+                          f"{value:.0%} off fp32's. Pass at most 1; for {value:g}%, pass {value / 100:g} "
+                          "(0.05: a loss within 5% of fp32's)")
 
 
 def make_config(steps, half_dtype, device, seed, threads=None, rounds=5, timeout_s=600.0):
@@ -108,8 +149,21 @@ def make_config(steps, half_dtype, device, seed, threads=None, rounds=5, timeout
     if kind == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r}, but torch.cuda.is_available() is False on this machine "
                           f"(torch {torch.__version__}); use device='cpu'")
-    return Config(steps=steps, half_dtype=half_dtype, device=str(device), seed=int(seed), threads=threads,
-                  rounds=rounds, timeout_s=None if timeout_s is None else float(timeout_s))
+    config = Config(steps=steps, half_dtype=half_dtype, device=str(device), seed=int(seed), threads=threads,
+                    rounds=rounds, timeout_s=None if timeout_s is None else float(timeout_s))
+    _check_timed(config)
+    return config
+
+
+def _check_timed(config):
+    """Refuse a run that would time no step: the first steps are untimed (warm-up, cast count, CUDA syncs)."""
+    untimed = dataclasses.replace(config, steps=sys.maxsize).untimed_steps()
+    if config.steps > untimed:
+        return
+    what = "warm-up, cast count" + (", sync count" if untimed > 2 else "")
+    raise ConfigError(f"steps={config.steps}: no step would be timed, the first {untimed} steps are untimed "
+                      f"({what}) on {config.device}; pass steps >= {untimed + 1} (>= {untimed + MIN_ROUNDS} for "
+                      f"a verdict that can be significant; the default is 40)")
 
 
 def _check_positive(name, value):
@@ -143,19 +197,15 @@ def _check_not_interactive_main(job):
                               "or pass isolate=False")
 
 
-def _job_name(ref):
-    return ref.name if isinstance(ref, Job) else load_job(ref).name  # the job's own name, if it gives one
-
-
-def _run_job(ref, variants, config, isolate, bar, loss_tolerance=LOSS_TOLERANCE):
+def _run_job(ref, variants, config, isolate, bar, loss_tolerance=LOSS_TOLERANCE, name="job", processes=None):
     """Every variant of one job: set up, then the timed rounds (interleaved when isolated), then close."""
-    name = _job_name(ref)
 
     def on_step(label):
         return lambda done: bar.step(done, label)
 
     if isolate:
-        runs = {v: IsolatedRun(ref, v, config, on_step=on_step(f"{name} {v}")) for v in variants}
+        runs = {v: IsolatedRun(ref, v, config, on_step=on_step(f"{name} {v}"),
+                               process=processes.get(v) if processes is not None else None) for v in variants}
         order = [list(runs.items())]  # one schedule for all: round i of every variant, then round i + 1
     else:  # one amp_patch session at a time in this process: each variant's rounds back to back
         runs = {v: VariantRun(job_from_ref(ref), v, config, on_step=on_step(f"{name} {v}")) for v in variants}
@@ -167,7 +217,7 @@ def _run_job(ref, variants, config, isolate, bar, loss_tolerance=LOSS_TOLERANCE)
     except KeyboardInterrupt:  # Ctrl-C: end every variant, keep their finished rounds
         results.update({v: results.get(v) or _interrupted(run, config) for v, run in runs.items()})
         report = summarize(name, config, {v: results[v] for v in variants}, isolate, loss_tolerance)
-        report["partial"] = True
+        report["partial"] = any(r["status"] == "interrupted" for r in results.values())
         raise ExperimentInterrupted([report]) from None
     return summarize(name, config, {v: results[v] for v in variants}, isolate, loss_tolerance)
 

@@ -41,6 +41,9 @@ def add_parser(subparsers):
                         metavar="VARIANT",
                         help=f"a subset of {','.join(VARIANTS)}, separated by commas or spaces (O0 is fp32; "
                              "--opt-level O1 O2 is the same option; default: all)")
+    parser.add_argument("--op-lists", nargs="+", default=None, metavar="NAME_OR_FILE",
+                        help="run O1 once per op list (shipped names or YAML files, e.g. apex torch_cpu fixed.yaml): "
+                             "rows 'O1 [apex]', 'O1 [fixed.yaml]'; default: O1 with its default list")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=5,
                         help="the timed steps are split into this many rounds; each round runs every variant in "
@@ -95,16 +98,18 @@ def run_command(args):
     """Run the experiment the parsed ``args`` describe; returns the exit status (130 after Ctrl-C)."""
     echo_half_dtype("experiment", args)
     _announce_png(args.out)
+    jobs = []
     try:
-        reports = run_experiment(_jobs(args), variants=_variants(args), steps=args.steps,
+        jobs = _jobs(args)
+        reports = run_experiment(jobs, variants=_variants(args), steps=args.steps,
                                  half_dtype=args.half_dtype, device=args.device, seed=args.seed,
                                  out_dir=args.out, isolate=not args.no_isolate, progress=not args.no_progress,
                                  threads=_threads(args), rounds=args.rounds, timeout_s=args.timeout,
-                                 loss_tolerance=args.loss_tolerance)
+                                 loss_tolerance=args.loss_tolerance, op_lists=args.op_lists)
     except AmpPatchError as exc:
         return error("experiment", exc, args)
     except ExperimentInterrupted as stop:
-        return _interrupted(args, stop.reports)
+        return _interrupted(args, stop.reports, len(stop.reports) < len(jobs))
     except KeyboardInterrupt:  # before any variant ran
         return _interrupted(args, [])
     _print_reports(reports)
@@ -124,25 +129,28 @@ def _wrote(out):
     sys.stderr.write(f"wrote {os.path.join(out, JSON_NAME)}" + (f" and {png}\n" if _has_matplotlib() else "\n"))
 
 
-def _interrupted(args, reports):
+def _interrupted(args, reports, jobs_left=False):
     """Ctrl-C: the finished rounds as a table, and one line saying where they were written; exit 130."""
     _print_reports(reports)
-    sys.stderr.write(f"\namp-patch experiment: interrupted (Ctrl-C){_kept(args, reports)}\n")
+    sys.stderr.write(f"\namp-patch experiment: interrupted (Ctrl-C){_kept(args, reports, jobs_left)}\n")
     sys.stderr.flush()
     return 130
 
 
-def _kept(args, reports):
-    """What the interrupted experiment kept, in rounds (not variant-rounds) and finished variants."""
+def _kept(args, reports, jobs_left=False):
+    """What the interrupted experiment kept, in rounds (not variant-rounds) and finished variants; the JSON is
+    marked partial only when something is missing (a variant's rounds, or a job that never ran)."""
     runs = [(len(v["rounds"]), r["rounds"], v["status"] != "interrupted") for r in reports
             for v in r["variants"].values()]
     if not any(done for done, _, _ in runs):
         return "; no round had finished"
     finished = sum(whole for _, _, whole in runs)
     stopped = [f"{done}/{planned}" for done, planned, whole in runs if not whole]
-    where = f"written to {os.path.join(args.out, JSON_NAME)} (marked partial)"
+    where = f"written to {os.path.join(args.out, JSON_NAME)}"
     if not stopped:
-        return f"; all {finished} variant run(s) had finished their rounds; {where}"
+        left = " (marked partial: jobs left to run)" if jobs_left else ""
+        return f"; all {finished} variant run(s) had finished their rounds; {where}{left}"
+    where += " (marked partial)"
     return (f"; {finished} of {len(runs)} variant run(s) finished all their rounds, the others stopped after "
             f"{', '.join(stopped)} round(s); {where}")
 

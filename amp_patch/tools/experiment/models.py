@@ -40,6 +40,8 @@ class Job:
     loss_fn: object
     batch_size: int = 32
     name: str = "job"
+    #: op lists (shipped names or YAML files) to run O1 with, one ``O1 [list]`` variant each; () : O1's default
+    op_lists: tuple = ()
 
 
 def as_job(obj, name=None):
@@ -53,7 +55,7 @@ def as_job(obj, name=None):
             raise ConfigError(f"the job ({type(obj).__name__}) lacks {', '.join(missing)}; a job provides "
                               f"{', '.join(_FIELDS)} (see amp_patch.tools.experiment.models)")
         job = Job(*(get(f) for f in _FIELDS), batch_size=get("batch_size", 32) or 32,
-                  name=get("name", None) or name or "job")
+                  name=get("name", None) or name or "job", op_lists=get("op_lists", None) or ())
     for field in _FIELDS:
         if not callable(getattr(job, field)):
             raise ConfigError(f"the job's {field} is {getattr(job, field)!r}, not a callable")
@@ -102,6 +104,7 @@ def _import_file(spec, path):
     if not os.path.isfile(full):
         raise ConfigError(f"--job {spec!r}: no such file: {path!r} (relative paths start from "
                           f"{os.getcwd()!r})")
+    folder_on_path(os.path.dirname(full))
     name = os.path.splitext(os.path.basename(full))[0]
     loaded = sys.modules.get(name)
     if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") == full:
@@ -117,6 +120,14 @@ def _import_file(spec, path):
         del sys.modules[name]
         raise job_error(spec, "importing it", exc) from None
     return module
+
+
+def folder_on_path(folder):
+    """The job file's folder first on ``sys.path``, as ``python path/to/file.py`` puts it, so that the file
+    imports its neighbours (spawned variants load the file the same way)."""
+    if folder in sys.path:
+        sys.path.remove(folder)
+    sys.path.insert(0, folder)
 
 
 def cwd_on_path():

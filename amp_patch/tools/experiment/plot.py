@@ -76,10 +76,18 @@ def memory_growth(v):
 
 
 def _plot_memory(ax, report):
-    grown = [(n, memory_growth(v)) for n, v in report["variants"].items() if memory_growth(v) is not None]
-    ax.bar([label(n) for n, _ in grown], [g for _, g in grown], color="tab:gray")
+    """Two bars per variant: its memory growth during the run, and its state (weights, grads, optimizer)."""
+    names = [n for n, v in report["variants"].items() if memory_growth(v) is not None or v.get("state_mib")]
+    at = range(len(names))
+    grown = [memory_growth(report["variants"][n]) or 0.0 for n in names]
+    state = [report["variants"][n].get("state_mib") or 0.0 for n in names]
     kind = next((v["memory_kind"] for v in report["variants"].values() if v.get("memory_kind")), "memory")
-    ax.set(title=f"memory growth during the run\n({kind} minus the variant's start)", ylabel="MiB")
+    ax.bar([i - 0.2 for i in at], grown, width=0.4, color="tab:gray", label=f"growth ({kind} minus start)")
+    ax.bar([i + 0.2 for i in at], state, width=0.4, color="tab:orange", label="state: weights+grads+optimizer")
+    ax.set_xticks(list(at), [label(n) for n in names])
+    ax.set(title="memory: growth during the run, and training state", ylabel="MiB")
+    if names:
+        ax.legend(fontsize="small")
 
 
 def _plot_deviation(ax, report):

@@ -3,13 +3,15 @@ import json
 import logging
 import math
 import os
+import re
 import statistics
 import sys
 import time
 
 import torch
 
-from .verdict import LOSS_TOLERANCE, verdict
+from ..machine import describe, half_hardware
+from .verdict import LOSS_TOLERANCE, MIN_ROUNDS, ranking, verdict
 
 log = logging.getLogger("amp_patch")
 
@@ -22,7 +24,8 @@ def summarize(job_name, config, results, isolated, loss_tolerance=LOSS_TOLERANCE
 
     A ratio is taken round by round (the variant's median step time in round i over the base's in round i, so a
     busy moment of the machine slows both sides of it); ``ratio_to_fp32`` is the median of those, with its
-    spread (``ratio_to_fp32_min``/``_max``) and ``ratio_to_fp32_significant`` (False when the spread includes 1).
+    spread (``ratio_to_fp32_min``/``_max``), the rounds it was taken over (``ratio_to_fp32_rounds``) and
+    ``ratio_to_fp32_significant`` (False when the spread includes 1, or with fewer than ``MIN_ROUNDS`` rounds).
     ``verdict``: :func:`amp_patch.tools.experiment.verdict.verdict` of the variants.
     """
     fp32 = results.get("fp32")
@@ -36,9 +39,23 @@ def summarize(job_name, config, results, isolated, loss_tolerance=LOSS_TOLERANCE
         variants[name] = entry
     return {"job": job_name, "steps": config.steps, "half_dtype": str(config.half_dtype).replace("torch.", ""),
             "device": config.device, "seed": config.seed, "isolated": isolated, "threads": _threads(results),
-            "rounds": len(config.round_sizes()), "interleaved": isolated and len(results) > 1,
-            "timeout_s": config.timeout_s, "torch_version": torch.__version__, "variants": variants,
+            "rounds": len(config.round_sizes()), "rounds_finished": _rounds_finished(results),
+            "interleaved": isolated and len(results) > 1,
+            "timeout_s": config.timeout_s, "torch_version": torch.__version__, "machine": machine_line(config),
+            "variants": variants,
             "verdict": verdict(variants, loss_tolerance)}
+
+
+def machine_line(config):
+    """The machine, and whether the half dtype runs on hardware here (the reading of ``tools/machine.py``); the
+    runs' thread count is the heading's, not this process's."""
+    machine = re.sub(r", \d+ threads?$", "", describe(config.device))
+    return f"{machine}; {half_hardware(config.device, config.half_dtype).sentence()}"
+
+
+def _rounds_finished(results):
+    """The most rounds any variant timed to the end (all of them, unless Ctrl-C stopped the experiment)."""
+    return max((sum(1 for r in v["rounds"] if r.get("median_step_ms")) for v in results.values()), default=0)
 
 
 def _threads(results):
@@ -48,7 +65,7 @@ def _threads(results):
 
 def _ratio(result, base, base_name):
     key = f"ratio_to_{base_name}"
-    out = {key: None, f"{key}_min": None, f"{key}_max": None, f"{key}_significant": None}
+    out = {key: None, f"{key}_min": None, f"{key}_max": None, f"{key}_significant": None, f"{key}_rounds": 0}
     if base is None or result.get("status") not in _USABLE or base.get("status") not in _USABLE:
         return out
     per_round = [r["median_step_ms"] / b["median_step_ms"] for r, b in zip(result["rounds"], base["rounds"])
@@ -57,7 +74,8 @@ def _ratio(result, base, base_name):
         return out
     low, high = min(per_round), max(per_round)
     out.update({key: statistics.median(per_round), f"{key}_min": low, f"{key}_max": high,
-                f"{key}_significant": result is base or not low <= 1.0 <= high})
+                f"{key}_rounds": len(per_round),
+                f"{key}_significant": result is base or (len(per_round) >= MIN_ROUNDS and not low <= 1.0 <= high)})
     return out
 
 
@@ -79,19 +97,22 @@ def label(variant):
 
 
 _COLUMNS = ("variant", "status", "median step ms (min-max)", "step time vs fp32 (<1 faster)",
-            "vs native (<1 faster)", "peak mem MiB (+in run)",
+            "vs native (<1 faster)", "peak mem MiB (+in run)", "state MiB",
             "final loss", "max \\|Δloss\\| vs fp32", "skipped steps", "final loss scale", "casts/iter",
             "syncs/step")
 
 
 def markdown(report):
     """A markdown section for one job: a heading, the table, notes on the columns and every variant's error."""
-    lines = [_heading(report), "", "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
-    for name, v in report["variants"].items():
+    lines = [_heading(report), ""] + ([f"Machine: {report['machine']}.", ""] if report.get("machine") else [])
+    lines += ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    for name in table_order(report["variants"]):
+        v = report["variants"][name]
         cells = [label(name), v["status"], _spread(v["median_step_ms"], v["step_ms_min"], v["step_ms_max"]),
-                 _times(v, "fp32"), _times(v, "native"), _memory(v), _num(v["final_loss"], 4),
+                 _times(v, "fp32"), _times(v, "native"), _memory(v), _num(v.get("state_mib"), 2),
+                 _num(v["final_loss"], 4),
                  _num(v["max_loss_deviation_from_fp32"], 4), str(v["skipped_steps"]),
-                 _num(v["final_loss_scale"], 0), _num(v["casts_per_iteration"], 0), str(v["syncs_per_step"])]
+                 _num(v["final_loss_scale"], 0), _num(v["casts_per_iteration"], 0), _num(v["syncs_per_step"], 0)]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     lines += ["", _notes(report)]
     for name, v in report["variants"].items():
@@ -100,6 +121,11 @@ def markdown(report):
     if report.get("verdict"):
         lines += ["", f"**{report['verdict']['text']}**"]
     return "\n".join(lines)
+
+
+def table_order(variants):
+    """fp32 (the reference) first, then the others in the verdict's :func:`ranking` (fastest first)."""
+    return sorted(ranking(variants), key=lambda name: name != "fp32")
 
 
 def _heading(report):
@@ -112,14 +138,18 @@ def _heading(report):
 
 def _notes(report):
     kinds = sorted({v["memory_kind"] for v in report["variants"].values() if v["memory_kind"]})
-    rounds = report["rounds"]
+    rounds = report.get("rounds_finished", report["rounds"])
+    planned = "" if rounds >= report["rounds"] else f" (of {report['rounds']} planned: Ctrl-C stopped the rest)"
     how = ("each round runs every variant in turn, each in its own process" if report["interleaved"] else
            "the rounds of one variant back to back")
-    return (f"Step times: median over {rounds} round{'s' if rounds != 1 else ''} ({how}) of each round's median "
-            "step, with the rounds' min-max; a ratio is the variant's step time over fp32's (or native's): below "
-            "1.00x is faster. It is taken round by round, and *n.s.* marks one whose min-max "
-            f"includes 1.00x (not significant). Peak memory: {'; '.join(kinds) or 'n/a'} (+ its growth during the "
-            "run). Casts/iter: aten._to_copy calls in one forward+backward+step.")
+    return (f"Step times: median over {rounds} round{'s' if rounds != 1 else ''}{planned} ({how}) of each "
+            "round's median step, with the rounds' min-max; a ratio is the variant's step time over fp32's (or "
+            "native's): below 1.00x is faster. It is taken round by round, and *n.s.* marks one whose min-max "
+            f"includes 1.00x or that has fewer than {MIN_ROUNDS} rounds (not significant). Rows after fp32 go "
+            f"fastest first, in the verdict's order. Peak memory: {'; '.join(kinds) or 'n/a'} (+ its growth "
+            "during the run). State MiB: weights + grads + optimizer state (O2's fp32 masters included), from "
+            "the tensors' storages, each counted once. Casts/iter: aten._to_copy calls in one "
+            "forward+backward+step.")
 
 
 def _num(value, digits):
@@ -199,6 +229,7 @@ class Progress:
         self.label = ""
         self.clock = clock
         self.started = clock()
+        self._first = None  # (time, steps done) at the first step reported: the ETA's rate starts there
         self.tty = enabled and (_both_terminals(self.stream) if tty is None else tty)
 
     def announce(self, text):
@@ -214,6 +245,8 @@ class Progress:
 
     def step(self, done_in_run, label=None):
         self.done[label or self.label] = done_in_run
+        if self._first is None:
+            self._first = (self.clock(), sum(self.done.values()))
         self._render()
 
     def end_run(self, status, label=None):
@@ -232,10 +265,16 @@ class Progress:
         return min(1.0, sum(self.done.values()) / self.total)
 
     def times(self):
-        """``elapsed`` and ``eta`` in seconds (eta None until a step is done): the rate so far, extrapolated."""
-        elapsed = max(0.0, self.clock() - self.started)
-        frac = self.fraction()
-        return elapsed, (elapsed * (1.0 - frac) / frac if frac > 0 else None)
+        """``elapsed`` and ``eta`` in seconds. The ETA extrapolates the rate since the first step reported, not
+        since the start: starting the variant processes and building the models costs seconds before any step,
+        and counted into the rate it made the first ETA hours long. None until a second step is reported."""
+        now = self.clock()
+        elapsed = max(0.0, now - self.started)
+        done = sum(self.done.values())
+        if self._first is None or done <= self._first[1]:
+            return elapsed, None
+        rate = (now - self._first[0]) / (done - self._first[1])
+        return elapsed, rate * max(0, self.total - done)
 
     def line(self):
         frac = self.fraction()

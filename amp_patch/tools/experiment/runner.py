@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from .models import as_job, load_job
+from .state_bytes import state_mib
 from .variants import CastCounter, count_syncs, make_variant
 
 _COUNT_STEP, _SYNC_STEP = 1, 2
@@ -42,6 +43,7 @@ class Config:
     threads: object = None  # torch.set_num_threads for the run; None keeps torch's default
     rounds: int = 5  # the timed steps are split into this many interleaved rounds
     timeout_s: object = 600.0  # per variant (isolated runs only); None: no limit
+    op_lists: tuple = ()  # (label, spec) of each op list an ``O1 [label]`` variant runs with
 
     def untimed_steps(self):
         """Steps ``setup`` runs before the timed rounds (warm-up, cast count, and the sync count on CUDA)."""
@@ -61,14 +63,15 @@ def new_result(variant, isolated):
             "weight_casts_per_iteration": None, "distinct_weights_cast": None, "syncs_per_step": None,
             "peak_memory_mib": None, "memory_at_start_mib": None, "memory_kind": None, "final_loss": None,
             "final_loss_scale": None, "rounds": [], "step_ms_min": None, "step_ms_max": None,
-            "peak_memory_median_mib": None, "peak_memory_min_mib": None, "peak_memory_max_mib": None}
+            "peak_memory_median_mib": None, "peak_memory_min_mib": None, "peak_memory_max_mib": None,
+            "state_mib": None}
 
 
 def mark_interrupted(result, config):
     """Ctrl-C: ``result`` marked ``interrupted`` unless it finished all its rounds (or had failed already)."""
     finished = len(result["rounds"])
     if result["status"] == "ok" and finished < len(config.round_sizes()):
-        result.update(status="interrupted", error=f"interrupted (Ctrl-C) after {finished} finished round(s)")
+        result.update(status="interrupted", error=f"Ctrl-C after {finished} of {len(config.round_sizes())} round(s)")
     return result
 
 
@@ -98,13 +101,23 @@ class VariantRun:
     def setup(self):
         self.result["memory_at_start_mib"] = _memory_now_mib(self.device)
         with self._guard():
-            self.runner = make_variant(self.result["variant"], self.config.half_dtype, self.config.device)
+            self.runner = make_variant(self.result["variant"], self.config.half_dtype, self.config.device,
+                                       self.config.op_lists)
             if self.config.threads:
                 torch.set_num_threads(self.config.threads)
             self.result["threads"] = torch.get_num_threads()
             self._build()
             self.active = True
-            self._steps(self.config.untimed_steps(), None)
+            hook = self.optimizer.register_step_pre_hook(self._note_state)  # (untimed steps only)
+            try:
+                self._steps(self.config.untimed_steps(), None)
+            finally:
+                hook.remove()
+
+    def _note_state(self, optimizer, args, kwargs):
+        """As ``step()`` begins (grads in place, optimizer state from the last step): weights + grads +
+        optimizer state in MiB, the largest seen."""
+        self.result["state_mib"] = max(self.result["state_mib"] or 0.0, state_mib(self.model, optimizer))
 
     def run_round(self, steps):
         """Time ``steps`` more steps; their times become one entry of ``result["rounds"]``."""
@@ -113,7 +126,7 @@ class VariantRun:
         record = {"round": len(self.result["rounds"]), "first_step": self.step, "step_times_ms": [],
                   "median_step_ms": None, "peak_memory_mib": None}
         self.result["rounds"].append(record)
-        before = _reset_peak_memory(self.device, self.result["isolated"])
+        before = reset_peak_memory(self.device, self.result["isolated"])
         if before is not None:
             self._peak_before_resets = max(before, self._peak_before_resets or 0.0)
         with self._guard():
@@ -289,7 +302,7 @@ def _finish(result, device, isolated):
         result["memory_kind"] = "process RSS peak" + ("" if isolated else " (shared by in-process variants)")
 
 
-def _reset_peak_memory(device, own_process):
+def reset_peak_memory(device, own_process):
     """Start a round's peak-memory window: returns the peak so far (MiB), read before resetting it, or None when
     the peak cannot be reset for the round (CPU in a process that is not the variant's own, or not Linux)."""
     if device.type == "cuda":

@@ -1,6 +1,8 @@
 """The variants an experiment compares (fp32/O0, O1, O2, O3 through amp_patch; native torch.autocast) and the
 counters it runs one iteration under (casts via a dispatch mode, host-device syncs via CUDA's sync debug mode)."""
 import contextlib
+import os
+import re
 import warnings
 
 import torch
@@ -8,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_patch
 
+from ...config.oplist import load_op_lists
 from ...errors import ConfigError
 
 VARIANTS = ("fp32", "O1", "O2", "O3", "native")
@@ -45,11 +48,57 @@ def _case_hint(name):
     return ""
 
 
-class AmpVariant:
-    """fp32 (O0), O1, O2 or O3 through amp_patch.initialize / scale_loss."""
+_OP_LIST_VARIANT = re.compile(r"^O1 \[(.+)\]$")
 
-    def __init__(self, variant, half_dtype, device):
-        self.kwargs = EXTRA_VARIANTS.get(variant, {"opt_level": "O0" if variant == "fp32" else variant})
+
+def op_list_pairs(op_lists):
+    """``(label, spec)`` per op list (a shipped name or a YAML file), each loaded once here so that a typo stops
+    the experiment before any variant runs (``file:line``). A label is the name, or the file's name (its path as
+    given where two files share a name); a spec is the name or the file's absolute path."""
+    if op_lists is None:
+        return ()
+    items = [op_lists] if isinstance(op_lists, (str, os.PathLike)) else list(op_lists)
+    if not items or not all(isinstance(i, (str, os.PathLike)) for i in items):
+        raise ConfigError(f"op_lists={op_lists!r}; pass shipped names or YAML files, e.g. ['apex', 'fixed.yaml']")
+    paths = [os.fspath(i) for i in items]
+    files = [p for p in paths if _is_file_spec(p)]
+    pairs = []
+    for path in dict.fromkeys(paths):
+        load_op_lists(path)
+        if not _is_file_spec(path):
+            pairs.append((path, path))
+            continue
+        name = os.path.basename(path)
+        clash = sum(os.path.basename(f) == name for f in dict.fromkeys(files)) > 1
+        pairs.append((path if clash else name, os.path.abspath(path)))
+    return tuple(pairs)
+
+
+def _is_file_spec(spec):
+    return os.sep in spec or "/" in spec or spec.endswith((".yaml", ".yml"))
+
+
+def expand_op_lists(variants, pairs):
+    """``variants`` with O1 replaced by one ``O1 [label]`` per op list (in place of O1, in the lists' order)."""
+    if not pairs:
+        return tuple(variants)
+    if "O1" not in variants:
+        raise ConfigError(f"op lists ({', '.join(label for label, _ in pairs)}) apply to O1 only, and the variants "
+                          f"are {', '.join(variants)}; add O1 to --variants (or drop --op-lists)")
+    at = list(variants).index("O1")
+    return tuple(variants[:at]) + tuple(f"O1 [{label}]" for label, _ in pairs) + tuple(variants[at + 1:])
+
+
+class AmpVariant:
+    """fp32 (O0), O1, O2 or O3 through amp_patch.initialize / scale_loss; ``O1 [label]``: O1 with the op list
+    ``op_lists[label]``."""
+
+    def __init__(self, variant, half_dtype, device, op_lists=()):
+        listed = _OP_LIST_VARIANT.match(variant)
+        if listed:
+            self.kwargs = {"opt_level": "O1", "op_lists": dict(op_lists)[listed.group(1)]}
+        else:
+            self.kwargs = EXTRA_VARIANTS.get(variant, {"opt_level": "O0" if variant == "fp32" else variant})
         self.opt_level = self.kwargs["opt_level"]
         self.half_dtype = half_dtype
 
@@ -77,7 +126,7 @@ class AmpVariant:
 class NativeVariant:
     """``torch.autocast`` around forward and loss, with ``torch.amp.GradScaler`` for float16 only."""
 
-    def __init__(self, variant, half_dtype, device):
+    def __init__(self, variant, half_dtype, device, op_lists=()):
         self.device_type = torch.device(device).type
         self.half_dtype = half_dtype
         self.scaler = None
@@ -117,8 +166,8 @@ class NativeVariant:
         pass
 
 
-def make_variant(variant, half_dtype, device):
-    return (NativeVariant if variant == "native" else AmpVariant)(variant, half_dtype, device)
+def make_variant(variant, half_dtype, device, op_lists=()):
+    return (NativeVariant if variant == "native" else AmpVariant)(variant, half_dtype, device, op_lists)
 
 
 class CastCounter(TorchDispatchMode):

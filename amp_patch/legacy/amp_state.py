@@ -122,7 +122,8 @@ class ScalerView:
             return False
         self._scaler.update(True)
         for state in _session("loss_scalers").opt_states.values():
-            state.skip_next = True
+            if not state.skip_next:
+                state.skip_next, state.doomed_by = True, self._scaler
         return True
 
     def __getattribute__(self, name):

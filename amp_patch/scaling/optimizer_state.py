@@ -44,6 +44,8 @@ class OptimizerState:
         self._master_of = {}
         self._master_ids = set()
         self.skip_next = False
+        self.doomed_by = None  # the scaler whose overflow dooms the coming step (Apex's message names its loss)
+        self.doomed_stash = []  # (param, grad) kept aside while a later micro-batch of a doomed step is checked
         self.last_skipped = False
         self.pending_scaler = None  # param grads are currently scaled by this scaler (inside scale_loss, or delayed)
         self.pending_inf = False
@@ -150,8 +152,8 @@ class OptimizerState:
         self.check_foreign("scale_loss")
         if self.skip_next and not self._any_grad():
             self.skip_next = False  # grads cleared (e.g. model.zero_grad()) after an overflow: nothing to skip
-        elif self.skip_next and distributed.world_size() == 1:
-            self._forget_doomed_grads()
+        elif self.skip_next and distributed.world_size() == 1 and self.pending_scaler is None:
+            self._stash_doomed_grads()
         if self.pending_scaler is scaler:
             return
         self.unreduced |= in_place
@@ -166,17 +168,24 @@ class OptimizerState:
             _rescale(grads, scaler.scale)
         self.pending_scaler = scaler
 
-    def _forget_doomed_grads(self):
-        """The coming step is skipped (an overflow since the last step): zero the grads it will drop, so this
-        backward's overflow check sees only what this backward produces (Apex checked the new grads alone);
-        an inf an earlier loss left here must not make this loss's scaler back off, nor skip other optimizers
-        this loss names. Zeroed, not cleared: the step must still know it is skipped. Single process only: under
-        DDP the grads in ``param.grad`` (e.g. of a ``no_sync()`` backward) must still reach the other ranks through
-        the next all-reduce, so there the whole accumulation is checked, as before (skipping more, never less)."""
-        grads = [p.grad for p in self._grad_params() if p.grad is not None and not p.grad.is_sparse]
-        if grads:
-            torch._foreach_zero_(grads)
+    def _stash_doomed_grads(self):
+        """The coming step is skipped (an overflow since the last step): set the grads accumulated so far aside,
+        so this backward's overflow check sees only what this backward produces (Apex checked the new grads
+        alone); an inf an earlier loss left here must not make this loss's scaler back off, nor skip other
+        optimizers this loss names. The unscaling exit adds them back (Apex kept them too: the skipped step
+        drops them). Single process only: under DDP the grads in ``param.grad`` (e.g. of a ``no_sync()``
+        backward) must still reach the other ranks through the next all-reduce, so there the whole accumulation
+        is checked, as before (skipping more, never less)."""
+        for p in self._grad_params():
+            if p.grad is not None and not p.grad.is_sparse:
+                self.doomed_stash.append((p, p.grad))
+                p.grad = None
         self.pending_inf = False
+
+    def _restore_doomed_grads(self):
+        for p, grad in self.doomed_stash:
+            p.grad = grad if p.grad is None else p.grad.add_(grad)
+        self.doomed_stash = []
 
     def after_backward(self, scaler, delay_unscale):
         """Leaving scale_loss: unscale (unless delayed) and return whether grads overflowed."""
@@ -184,6 +193,7 @@ class OptimizerState:
             return False
         found = self._unscale(scaler) or self.pending_inf
         self.pending_scaler, self.pending_inf, self.unreduced = None, False, False
+        self._restore_doomed_grads()
         return found
 
     def _rescale_in_place(self, old, new):
@@ -275,6 +285,7 @@ class OptimizerState:
         for model_p, _ in self.pairs:
             model_p.grad = None
         self.pending_scaler, self.pending_inf, self.skip_next, self.foreign = None, False, False, None
+        self.doomed_stash, self.doomed_by = [], None
         self.own_exit, self.unreduced = None, False
 
     def _check_backward_outside(self):
@@ -308,6 +319,7 @@ class OptimizerState:
         self._check_groups_unchanged()
         self.storage.before_step(self.pairs)
         if self.last_skipped:
+            self.doomed_stash = []
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None

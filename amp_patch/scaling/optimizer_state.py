@@ -45,7 +45,7 @@ class OptimizerState:
         self._master_ids = set()
         self.skip_next = False
         self.doomed_by = None  # the scaler whose overflow dooms the coming step (Apex's message names its loss)
-        self.doomed_stash = []  # (param, grad) kept aside while a later micro-batch of a doomed step is checked
+        self.set_aside = []  # (param, unscaled grad) until the unscaling exit (before_backward)
         self.last_skipped = False
         self.pending_scaler = None  # param grads are currently scaled by this scaler (inside scale_loss, or delayed)
         self.pending_inf = False
@@ -141,19 +141,20 @@ class OptimizerState:
     def before_backward(self, scaler, in_place=False):
         """Entering scale_loss: bring grads already in ``param.grad`` to ``scaler``'s scale.
 
-        Grads stay in ``param.grad`` (so DDP's reducer sees the whole accumulation, also
-        inside ``no_sync``); unscaled ones are multiplied by the scale (a power of two:
-        exact), grads left scaled by another scaler (``delay_unscale``) are unscaled first,
-        into the fp32 master grads; but grads accumulated inside DDP ``no_sync()`` (``in_place``),
-        which the synced backward must still reduce, are rescaled where they are.
+        Grads left scaled by another scaler (``delay_unscale``) are unscaled first, into the fp32
+        master grads. In a single process the unscaled grads are then set aside (as Apex stashed
+        them): this backward's grads are checked alone, and the unscaling exit adds the set-aside
+        ones to the unscaled new ones (Apex's order of summation; a half grad is never multiplied
+        up by the scale, which could overflow it). Under DDP grads stay in ``param.grad`` (so the
+        reducer sees the whole accumulation) and are multiplied by the scale (a power of two:
+        exact); grads accumulated inside ``no_sync()`` (``in_place``), which the synced backward
+        must still reduce, are rescaled where they are.
         """
         self._sync_groups()
         self.claim()
         self.check_foreign("scale_loss")
         if self.skip_next and not self._any_grad():
             self.skip_next = False  # grads cleared (e.g. model.zero_grad()) after an overflow: nothing to skip
-        elif self.skip_next and distributed.world_size() == 1 and self.pending_scaler is None:
-            self._stash_doomed_grads()
         if self.pending_scaler is scaler:
             return
         self.unreduced |= in_place
@@ -163,29 +164,27 @@ class OptimizerState:
             return
         if self.pending_scaler is not None:
             self.pending_inf |= self._unscale(self.pending_scaler)
+        if distributed.world_size() == 1 and not self.unreduced and (
+                self.skip_next or scaler.dynamic or scaler.scale != 1.0):  # (static 1.0: plain accumulation)
+            self._set_aside_grads()
         grads = [p.grad for p in self._grad_params() if p.grad is not None]
         if grads and scaler.scale != 1.0:
             _rescale(grads, scaler.scale)
         self.pending_scaler = scaler
 
-    def _stash_doomed_grads(self):
-        """The coming step is skipped (an overflow since the last step): set the grads accumulated so far aside,
-        so this backward's overflow check sees only what this backward produces (Apex checked the new grads
-        alone); an inf an earlier loss left here must not make this loss's scaler back off, nor skip other
-        optimizers this loss names. The unscaling exit adds them back (Apex kept them too: the skipped step
-        drops them). Single process only: under DDP the grads in ``param.grad`` (e.g. of a ``no_sync()``
-        backward) must still reach the other ranks through the next all-reduce, so there the whole accumulation
-        is checked, as before (skipping more, never less)."""
+    def _set_aside_grads(self):
+        """Set the (unscaled) grads accumulated so far aside until the unscaling exit (see before_backward).
+        After an overflow this is what keeps an earlier loss's inf from making this loss's scaler back off, or
+        skipping other optimizers this loss names; the skipped step drops them. Sparse grads stay (rescaled)."""
         for p in self._grad_params():
             if p.grad is not None and not p.grad.is_sparse:
-                self.doomed_stash.append((p, p.grad))
+                self.set_aside.append((p, p.grad))
                 p.grad = None
-        self.pending_inf = False
 
-    def _restore_doomed_grads(self):
-        for p, grad in self.doomed_stash:
+    def _restore_set_aside(self):
+        for p, grad in self.set_aside:
             p.grad = grad if p.grad is None else p.grad.add_(grad)
-        self.doomed_stash = []
+        self.set_aside = []
 
     def after_backward(self, scaler, delay_unscale):
         """Leaving scale_loss: unscale (unless delayed) and return whether grads overflowed."""
@@ -193,7 +192,7 @@ class OptimizerState:
             return False
         found = self._unscale(scaler) or self.pending_inf
         self.pending_scaler, self.pending_inf, self.unreduced = None, False, False
-        self._restore_doomed_grads()
+        self._restore_set_aside()
         return found
 
     def _rescale_in_place(self, old, new):
@@ -285,7 +284,7 @@ class OptimizerState:
         for model_p, _ in self.pairs:
             model_p.grad = None
         self.pending_scaler, self.pending_inf, self.skip_next, self.foreign = None, False, False, None
-        self.doomed_stash, self.doomed_by = [], None
+        self.set_aside, self.doomed_by = [], None
         self.own_exit, self.unreduced = None, False
 
     def _check_backward_outside(self):
@@ -319,7 +318,7 @@ class OptimizerState:
         self._check_groups_unchanged()
         self.storage.before_step(self.pairs)
         if self.last_skipped:
-            self.doomed_stash = []
+            self.set_aside = []
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None

@@ -142,13 +142,13 @@ class OptimizerState:
         """Entering scale_loss: bring grads already in ``param.grad`` to ``scaler``'s scale.
 
         Grads left scaled by another scaler (``delay_unscale``) are unscaled first, into the fp32
-        master grads. In a single process the unscaled grads are then set aside (as Apex stashed
-        them): this backward's grads are checked alone, and the unscaling exit adds the set-aside
-        ones to the unscaled new ones (Apex's order of summation; a half grad is never multiplied
-        up by the scale, which could overflow it). Under DDP grads stay in ``param.grad`` (so the
-        reducer sees the whole accumulation) and are multiplied by the scale (a power of two:
-        exact); grads accumulated inside ``no_sync()`` (``in_place``), which the synced backward
-        must still reduce, are rescaled where they are.
+        master grads. In a single process half grads (O3), and after an overflow all grads, are
+        then set aside (as Apex stashed them): this backward's grads are checked alone, and the
+        unscaling exit adds the set-aside ones to the unscaled new ones (a half grad is never
+        multiplied up by the scale, which could overflow it). fp32 grads otherwise stay in
+        ``param.grad`` and are multiplied by the scale (a power of two: exact), as under DDP (the
+        reducer must see the whole accumulation); grads accumulated inside ``no_sync()``
+        (``in_place``), which the synced backward must still reduce, are rescaled where they are.
         """
         self._sync_groups()
         self.claim()
@@ -164,20 +164,21 @@ class OptimizerState:
             return
         if self.pending_scaler is not None:
             self.pending_inf |= self._unscale(self.pending_scaler)
-        if distributed.world_size() == 1 and not self.unreduced and (
-                self.skip_next or scaler.dynamic or scaler.scale != 1.0):  # (static 1.0: plain accumulation)
-            self._set_aside_grads()
+        if distributed.world_size() == 1 and not self.unreduced and (self.skip_next or scaler.scale != 1.0):
+            self._set_aside_grads(every=self.skip_next)
         grads = [p.grad for p in self._grad_params() if p.grad is not None]
         if grads and scaler.scale != 1.0:
             _rescale(grads, scaler.scale)
         self.pending_scaler = scaler
 
-    def _set_aside_grads(self):
-        """Set the (unscaled) grads accumulated so far aside until the unscaling exit (see before_backward).
-        After an overflow this is what keeps an earlier loss's inf from making this loss's scaler back off, or
-        skipping other optimizers this loss names; the skipped step drops them. Sparse grads stay (rescaled)."""
+    def _set_aside_grads(self, every):
+        """Set the (unscaled) half grads accumulated so far aside until the unscaling exit (see before_backward),
+        and with ``every`` the fp32 ones too: after an overflow this is what keeps an earlier loss's inf from
+        making this loss's scaler back off, or skipping other optimizers this loss names (the skipped step drops
+        them). fp32 grads otherwise stay and are rescaled, so a param accumulated several times in one backward
+        (a reentrant checkpoint) sums in autograd's order. Sparse grads always stay (rescaled)."""
         for p in self._grad_params():
-            if p.grad is not None and not p.grad.is_sparse:
+            if p.grad is not None and not p.grad.is_sparse and (every or p.grad.dtype != torch.float32):
                 self.set_aside.append((p, p.grad))
                 p.grad = None
 

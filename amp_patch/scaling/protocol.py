@@ -208,8 +208,13 @@ def _counts(session, scaler, states, found_inf):
     rule): in a step already doomed by an overflow, only a scaler that has not backed off for it yet backs off
     (a later loss's overflow backs off its own scaler); clean micro-batches after the overflow are not counted.
     Under Apex's API every exit counts (Apex's ``update_scale`` per exit: one back-off per overflowing
-    micro-batch, the clean ones counted)."""
-    if apex_rules(session) or not states or not all(state.skip_next for state in states):
+    micro-batch, the clean ones counted). Under DDP an exit in a doomed step counts nothing (both APIs): its check
+    saw the whole accumulation (OptimizerState.before_backward), so an earlier loss's inf would count again."""
+    if not states or not all(state.skip_next for state in states):
+        return True
+    if distributed.world_size() > 1:
+        return False
+    if apex_rules(session):
         return True
     return found_inf and not any(state.undo_updates.get(scaler, 0) is None for state in states)
 

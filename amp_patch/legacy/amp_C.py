@@ -131,7 +131,8 @@ def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, f
                             backoff_factor, growth_interval, hysteresis):
     """Apex's scale update with hysteresis, in place on one-element tensors (scale fp32, trackers int32, found_inf
     fp32): an inf decrements the hysteresis tracker and backs the scale off once it reaches 0; ``growth_interval``
-    clean steps in a row grow it (never to inf); a clean step resets the hysteresis tracker. Returns the scale."""
+    clean steps in a row grow it (never to inf); a clean step resets the hysteresis tracker. A back-off below the
+    smallest normal fp32 gives 0, as Apex's kernel (fast math flushes subnormals). Returns the scale."""
     found = bool(found_inf.item() > 0)
     with torch.no_grad():
         if found:
@@ -140,6 +141,8 @@ def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, f
                 growth_tracker.zero_()
                 return current_scale
             current_scale.mul_(backoff_factor)
+            # Apex's kernel is built with --use_fast_math: a subnormal result is flushed to 0
+            current_scale.masked_fill_(current_scale.abs() < torch.finfo(torch.float32).tiny, 0.0)
             growth_tracker.zero_()
         else:
             successful = int(growth_tracker.item()) + 1

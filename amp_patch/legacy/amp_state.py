@@ -3,15 +3,17 @@
 Nothing is stored here: every read goes to the active session (``amp_patch.session.state``),
 every write goes to the live object it names.
 
-- ``loss_scalers[i].loss_scale()``, ``._loss_scale`` (read and write), ``._unskipped``
-  (read and write), ``.dynamic``: the session's loss scaler ``i``; ``._overflow_buf`` (read, or replace with
-  one's own flag tensor) and ``.update_scale()`` for NVIDIA BERT's post-accumulation all-reduce recipe.
+- ``loss_scalers[i]``: the session's loss scaler ``i`` as Apex's plain LossScaler object (see
+  :class:`ScalerView`): Apex's attributes read and write the scaler, other attributes a script sets are kept;
+  ``._overflow_buf`` and ``.update_scale()`` serve NVIDIA BERT's post-accumulation all-reduce recipe.
 - ``handle._deactivate()``: ``amp_patch.deinitialize()`` (a no-op without a session); ``handle.is_active()``.
 - ``opt_properties.opt_level`` / ``.loss_scale`` / ``.master_weights`` / ...: the resolved options (read only).
 - ``allow_incoming_model_not_fp32`` (read and write): the switch ``initialize`` honours before refusing a
   model that arrives in half.
 - ``min_loss_scale`` / ``max_loss_scale``: scaler 0's bounds.
 """
+import weakref
+
 import torch
 
 from ..errors import NotInitializedError, UsageError
@@ -41,8 +43,29 @@ def master_params(optimizer):
     return (p for group in optimizer.param_groups for p in group["params"])
 
 
+# Apex's LossScaler attributes that map onto amp_patch's scaler: name -> the scaler's state_dict key.
+_MAPPED = {"_loss_scale": "loss_scale", "_unskipped": "unskipped", "_scale_seq_len": "growth_interval",
+           "_max_loss_scale": "max_loss_scale", "_min_loss_scale": "min_loss_scale"}
+_VIEWS = weakref.WeakKeyDictionary()  # scaler -> its view, so a script's own attributes survive a re-read
+
+
+def view_of(scaler):
+    """The one :class:`ScalerView` of ``scaler`` (what ``_amp_state.loss_scalers[i]`` returns)."""
+    view = _VIEWS.get(scaler)
+    if view is None:
+        view = _VIEWS[scaler] = ScalerView(scaler)
+    return view
+
+
 class ScalerView:
-    """``_amp_state.loss_scalers[i]``: Apex's LossScaler attributes on amp_patch's live scaler."""
+    """``_amp_state.loss_scalers[i]``: Apex's plain LossScaler object on amp_patch's live scaler.
+
+    Apex's attributes (``_loss_scale``, ``_unskipped``, ``_scale_seq_len`` = the growth interval,
+    ``_max_loss_scale``, ``_min_loss_scale``, ``dynamic``, ``_has_overflow``, ``_overflow_buf``) read and write
+    the scaler (a bad value raises ConfigError and changes nothing); any other attribute a script sets is kept
+    on this view, as Python would keep it on Apex's object (NVIDIA BERT sets ``_overfloat_buf``, its typo).
+    Apex's methods (``loss_scale()``, ``update_scale()``, ``clear_overflow_state()``) cannot be overwritten.
+    """
 
     def __init__(self, scaler):
         object.__setattr__(self, "_scaler", scaler)
@@ -54,25 +77,17 @@ class ScalerView:
     def dynamic(self):
         return self._scaler.dynamic
 
-    @property
-    def _loss_scale(self):
-        return self._scaler.scale
-
-    @_loss_scale.setter
-    def _loss_scale(self, value):
-        self._write(loss_scale=value)
-
-    @property
-    def _unskipped(self):
-        return self._scaler.state_dict()["unskipped"]
-
-    @_unskipped.setter
-    def _unskipped(self, value):
-        self._write(unskipped=value, growth_tracker=value)
+    @dynamic.setter
+    def dynamic(self, value):
+        self._scaler.set_dynamic(bool(value))
 
     @property
     def _has_overflow(self):
         return self._scaler.last_overflow
+
+    @_has_overflow.setter
+    def _has_overflow(self, value):
+        self._scaler.last_overflow = bool(value)
 
     @property
     def _overflow_buf(self):
@@ -88,6 +103,13 @@ class ScalerView:
                              "be a one-element tensor (Apex's int flag, nonzero after an overflow)")
         vars(self)["_buf"] = value
 
+    def clear_overflow_state(self):
+        """Apex's ``clear_overflow_state()``: no overflow pending (a script's own ``_overflow_buf`` is zeroed)."""
+        self._scaler.last_overflow = False
+        buf = vars(self).get("_buf")
+        if buf is not None:
+            buf.zero_()
+
     def update_scale(self):
         """Apex's ``update_scale()``: True when the step must be skipped. amp_patch's ``scale_loss`` exit already
         updated the scaler for this iteration; an overflow only the script's own ``_overflow_buf`` saw (e.g. in
@@ -100,20 +122,36 @@ class ScalerView:
             return False
         self._scaler.update(True)
         for state in _session("loss_scalers").opt_states.values():
-            state.skip_next = True
+            if not state.skip_next:
+                state.skip_next, state.doomed_by = True, self._scaler
         return True
 
-    def _write(self, **values):
-        """Change the live scaler through its validated state_dict path (bad values raise ConfigError)."""
-        state = self._scaler.state_dict()
-        state.update(values)
-        self._scaler.load_state_dict(state)
+    def __getattribute__(self, name):
+        if name in _MAPPED:
+            return object.__getattribute__(self, "_scaler").state_dict()[_MAPPED[name]]
+        return object.__getattribute__(self, name)
 
     def __setattr__(self, name, value):
-        if not isinstance(getattr(type(self), name, None), property) or getattr(type(self), name).fset is None:
-            raise UsageError(f"_amp_state.loss_scalers[{self._scaler.loss_id}].{name} cannot be set; settable: "
-                             "_loss_scale, _unskipped (or use amp.load_state_dict)")
-        object.__setattr__(self, name, value)
+        if name in _MAPPED:
+            self._write(name, value)
+        elif isinstance(getattr(type(self), name, None), property) or name.startswith("__"):
+            object.__setattr__(self, name, value)
+        elif callable(getattr(type(self), name, None)) or name in ("_scaler", "_buf"):
+            raise UsageError(f"_amp_state.loss_scalers[{self._scaler.loss_id}].{name} cannot be set: it is "
+                             "Apex's method (or amp_patch's link to the live scaler); set the attributes "
+                             f"{', '.join(_MAPPED)}, dynamic, _has_overflow or _overflow_buf instead")
+        else:
+            vars(self)[name] = value  # a script's own attribute, kept as on Apex's plain object
+
+    def _write(self, name, value):
+        """Change the live scaler through its validated state_dict path (bad values raise ConfigError)."""
+        state = self._scaler.state_dict()
+        state[_MAPPED[name]] = value
+        if name == "_unskipped":
+            state["growth_tracker"] = value
+        overflow = self._scaler.last_overflow
+        self._scaler.load_state_dict(state)
+        self._scaler.last_overflow = overflow
 
     def __getattr__(self, name):
         if name.startswith("__"):
@@ -171,7 +209,7 @@ class AmpStateView:
 
     @property
     def loss_scalers(self):
-        return [ScalerView(s) for s in _session("loss_scalers").scalers]
+        return [view_of(s) for s in _session("loss_scalers").scalers]
 
     @property
     def opt_properties(self):
@@ -204,8 +242,8 @@ class AmpStateView:
     def __setattr__(self, name, value):
         if name != "allow_incoming_model_not_fp32":
             raise UsageError(f"apex.amp._amp_state.{name} cannot be set in amp_patch (it is a view of the live "
-                             "session); settable: allow_incoming_model_not_fp32, loss_scalers[i]._loss_scale, "
-                             "loss_scalers[i]._unskipped")
+                             "session); settable: allow_incoming_model_not_fp32 and the attributes of "
+                             "loss_scalers[i] (e.g. _loss_scale, _scale_seq_len)")
         object.__setattr__(self, name, value)
 
     def __getattr__(self, name):

@@ -13,6 +13,7 @@ import functools
 import logging
 
 from ..scaling import scale_loss
+from ..session import state as _state
 from ..session.api import deinitialize, load_state_dict, state_dict
 from ..session.api import initialize as _initialize
 from ..session.user_functions import (
@@ -25,7 +26,7 @@ from ..session.user_functions import (
     register_promote_function,
 )
 from . import amp_lists as lists  # noqa: F401 - apex.amp.lists (not star-imported, as in Apex)
-from . import stacking
+from . import messages, stacking
 from .amp_state import AMP_STATE as _amp_state  # noqa: F401 - apex.amp._amp_state
 from .amp_state import master_params
 from .handle import init
@@ -48,9 +49,16 @@ def initialize(*args, **kwargs):
     As in Apex, the models and optimizers of earlier calls stay initialized and keep training, and the loss
     scalers are the new call's. A call with other options (another opt level) closes the open session first,
     with a warning. See :mod:`amp_patch.legacy.stacking`; ``amp_patch.initialize`` itself still refuses a
-    second call.
+    second call. Apex's printed lines (the selected opt level and options, the overflow-skipped steps) are
+    printed as Apex printed them (:mod:`amp_patch.legacy.messages`).
     """
-    return stacking.initialize(*args, **kwargs)
+    call = stacking._SIGNATURE.bind(*args, **kwargs).arguments
+    messages.print_initialize(call)
+    result = stacking.initialize(*args, **kwargs)
+    session = _state.current()
+    if session is not None and session.enabled:
+        messages.install(session)
+    return result
 
 
 def __getattr__(name):

@@ -18,7 +18,7 @@ from ..scaling.scaler import LossScaler
 from ..session import state as _state
 from ..session.api import deinitialize, initialize
 from . import stacking
-from .amp_state import ScalerView
+from .amp_state import view_of
 from .unsupported import attribute_error
 
 log = logging.getLogger("amp_patch")
@@ -133,7 +133,7 @@ class AmpHandle:
         if name.startswith("__"):
             raise AttributeError(name)
         if name == "_default_scaler":  # Apex's handle.scale_loss scaler: here the session's scaler 0
-            return ScalerView(self._require_active("_default_scaler").scalers[0])
+            return view_of(self._require_active("_default_scaler").scalers[0])
         raise attribute_error(f"amp.AmpHandle.{name}")
 
 

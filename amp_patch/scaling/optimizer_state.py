@@ -45,6 +45,8 @@ class OptimizerState:
         self._master_of = {}
         self._master_ids = set()
         self.skip_next = False
+        self.doomed_by = None  # the scaler whose overflow dooms the coming step (Apex's message names its loss)
+        self.set_aside = []  # (param, unscaled grad) until the unscaling exit (before_backward)
         self.last_skipped = False
         self.pending_scaler = None  # param grads are currently scaled by this scaler (inside scale_loss, or delayed)
         self.pending_inf = False
@@ -140,11 +142,14 @@ class OptimizerState:
     def before_backward(self, scaler, in_place=False):
         """Entering scale_loss: bring grads already in ``param.grad`` to ``scaler``'s scale.
 
-        Grads stay in ``param.grad`` (so DDP's reducer sees the whole accumulation, also
-        inside ``no_sync``); unscaled ones are multiplied by the scale (a power of two:
-        exact), grads left scaled by another scaler (``delay_unscale``) are unscaled first,
-        into the fp32 master grads; but grads accumulated inside DDP ``no_sync()`` (``in_place``),
-        which the synced backward must still reduce, are rescaled where they are.
+        Grads left scaled by another scaler (``delay_unscale``) are unscaled first, into the fp32
+        master grads. In a single process half grads (O3), and after an overflow all grads, are
+        then set aside (as Apex stashed them): this backward's grads are checked alone, and the
+        unscaling exit adds the set-aside ones to the unscaled new ones (a half grad is never
+        multiplied up by the scale, which could overflow it). fp32 grads otherwise stay in
+        ``param.grad`` and are multiplied by the scale (a power of two: exact), as under DDP (the
+        reducer must see the whole accumulation); grads accumulated inside ``no_sync()``
+        (``in_place``), which the synced backward must still reduce, are rescaled where they are.
         """
         self._sync_groups()
         self.claim()
@@ -152,8 +157,6 @@ class OptimizerState:
         self.check_foreign("scale_loss")
         if self.skip_next and not self._any_grad():
             self.skip_next = False  # grads cleared (e.g. model.zero_grad()) after an overflow: nothing to skip
-        elif self.skip_next and distributed.world_size() == 1:
-            self._forget_doomed_grads()
         if self.pending_scaler is scaler:
             return
         self.unreduced |= in_place
@@ -163,22 +166,28 @@ class OptimizerState:
             return
         if self.pending_scaler is not None:
             self.pending_inf |= self._unscale(self.pending_scaler)
+        if distributed.world_size() == 1 and not self.unreduced and (self.skip_next or scaler.scale != 1.0):
+            self._set_aside_grads(every=self.skip_next)
         grads = [p.grad for p in self._grad_params() if p.grad is not None]
         if grads and scaler.scale != 1.0:
             _rescale(grads, scaler.scale)
         self.pending_scaler = scaler
 
-    def _forget_doomed_grads(self):
-        """The coming step is skipped (an overflow since the last step): zero the grads it will drop, so this
-        backward's overflow check sees only what this backward produces (Apex checked the new grads alone);
-        an inf an earlier loss left here must not make this loss's scaler back off, nor skip other optimizers
-        this loss names. Zeroed, not cleared: the step must still know it is skipped. Single process only: under
-        DDP the grads in ``param.grad`` (e.g. of a ``no_sync()`` backward) must still reach the other ranks through
-        the next all-reduce, so there the whole accumulation is checked, as before (skipping more, never less)."""
-        grads = [p.grad for p in self._grad_params() if p.grad is not None and not p.grad.is_sparse]
-        if grads:
-            torch._foreach_zero_(grads)
-        self.pending_inf = False
+    def _set_aside_grads(self, every):
+        """Set the (unscaled) half grads accumulated so far aside until the unscaling exit (see before_backward),
+        and with ``every`` the fp32 ones too: after an overflow this is what keeps an earlier loss's inf from
+        making this loss's scaler back off, or skipping other optimizers this loss names (the skipped step drops
+        them). fp32 grads otherwise stay and are rescaled, so a param accumulated several times in one backward
+        (a reentrant checkpoint) sums in autograd's order. Sparse grads always stay (rescaled)."""
+        for p in self._grad_params():
+            if p.grad is not None and not p.grad.is_sparse and (every or p.grad.dtype != torch.float32):
+                self.set_aside.append((p, p.grad))
+                p.grad = None
+
+    def _restore_set_aside(self):
+        for p, grad in self.set_aside:
+            p.grad = grad if p.grad is None else p.grad.add_(grad)
+        self.set_aside = []
 
     def after_backward(self, scaler, delay_unscale):
         """Leaving scale_loss: unscale (unless delayed) and return whether grads overflowed."""
@@ -186,6 +195,7 @@ class OptimizerState:
             return False
         found = self._unscale(scaler) or self.pending_inf
         self.pending_scaler, self.pending_inf, self.unreduced = None, False, False
+        self._restore_set_aside()
         return found
 
     def _rescale_in_place(self, old, new):
@@ -277,6 +287,7 @@ class OptimizerState:
         for model_p, _ in self.pairs:
             model_p.grad = None
         self.pending_scaler, self.pending_inf, self.skip_next, self.foreign = None, False, False, None
+        self.set_aside, self.doomed_by = [], None
         self.own_exit, self.unreduced = None, False
 
     def _check_backward_outside(self):
@@ -311,6 +322,7 @@ class OptimizerState:
         self._check_groups_unchanged()
         self.storage.before_step(self.pairs)
         if self.last_skipped:
+            self.set_aside = []
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None

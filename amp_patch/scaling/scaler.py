@@ -147,6 +147,13 @@ class LossScaler:
         """True for a dynamic scaler, False for a static one."""
         return self._dynamic
 
+    def set_dynamic(self, dynamic):
+        """Switch between dynamic and static scaling, keeping the current scale (Apex scripts set
+        ``loss_scaler.dynamic``); a scale that becomes dynamic is clamped into its bounds."""
+        self._dynamic = bool(dynamic)
+        if self._dynamic:
+            self._scale = self._clamp(self._scale)
+
     @property
     def scale(self):
         """The current loss scale, a Python float (reading it never syncs a device)."""

@@ -245,9 +245,10 @@ def test_amp_state_reads_and_writes_the_live_scalers():
         with pytest.raises(amp_patch.UsageError, match="cannot be set"):
             scalers[0].loss_scale = 3.0
         assert scalers[0].update_scale() is False  # NVIDIA BERT's recipe calls it
+        assert scalers[0]._scale_seq_len == 2000  # Apex's name for the growth interval
         with pytest.raises(ApexAttributeError):
-            # an Apex LossScaler internal amp_patch does not provide: the read is what raises
-            scalers[0]._scale_seq_len  # noqa: B018
+            # an Apex LossScaler attribute nobody set: the read is what raises
+            scalers[0]._no_such_internal  # noqa: B018
 
 
 def test_amp_state_opt_properties_and_handle_deactivate():

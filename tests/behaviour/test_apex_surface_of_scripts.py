@@ -260,3 +260,15 @@ def test_fused_mixed_precision_lamb_updates_bf16_params_through_fp32_masters():
         assert h.dtype is torch.bfloat16
     with pytest.raises(amp_patch.UsageError, match="unscale"):
         opt.step(grad_scaler=object())
+
+
+def test_amp_c_update_scale_hysteresis_flushes_a_subnormal_backoff_to_zero():
+    """Apex's kernel (built with --use_fast_math) gives 0 where the back-off falls below the smallest normal
+    fp32; its L0 fuzz test expects exactly that."""
+    from amp_patch.legacy.amp_C import update_scale_hysteresis as update
+
+    tiny = torch.finfo(torch.float32).tiny
+    scale = torch.tensor([tiny * 1.5])
+    trackers = torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    update(scale, *trackers, torch.tensor([1.0]), 2.0, 0.5, 10, 1)
+    assert scale.item() == 0.0

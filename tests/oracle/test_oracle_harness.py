@@ -24,10 +24,10 @@ KNOWN_BAD = {"data_write": "stale cast cache after .data writes", "out": "out= a
              "checkpoint": "checkpoint recompute",
              "grad_eval": "cast cache kept across iterations without scale_loss (found by this oracle)",
              "torch_off": "torch.autocast(enabled=False) regions are cast under O1 (found by this oracle)"}
-# Still failing: the data_write search shrinks to a program with no .data write that diverges (grads ~1e34,
-# an overflow step amp_patch skips and native autocast, without a scaler, takes): a harness limit, not a cast.
-STILL_FAILING = {"data_write": "the data_write search finds a diverging program (an overflow step amp_patch "
-                 "skips, native takes), not a stale cast"}
+# None still failing. (The data_write search used to shrink to a program with no .data write: a step of two
+# micro-batches whose first overflowed, where amp_patch zeroed that micro-batch's grads at the next scale_loss and
+# native autocast kept them; amp_patch now keeps them, as Apex did, and checks the new micro-batch alone.)
+STILL_FAILING = {}
 PASSING = frozenset(FEATURES) - set(KNOWN_BAD)
 # Against fp32 under O2/O3, deepcopy (shared masters) and .data writes (undone by the master copy) are known bad;
 # an fp32 region (x.float() into the model's own layers) does not apply: O2/O3 weights are half.

@@ -21,6 +21,7 @@ optimizer's own grads: the half model grads under master weights and the pending
 batch ``zero_grad()`` forgets it exactly as it would without amp_patch.
 """
 import threading
+import warnings
 import weakref
 
 import torch
@@ -36,9 +37,13 @@ from .unscale import unscale_
 class OptimizerState:
     """What amp_patch tracks for one optimizer passed to ``initialize``."""
 
-    def __init__(self, optimizer, *, master_weights, fp32_data=None, storage=None, attach=True):
+    def __init__(self, optimizer, *, master_weights, fp32_data=None, storage=None, attach=True,
+                 unscaled_warning=False):
         self.optimizer = optimizer
         self.master_weights = master_weights
+        self.unscaled_warning = unscaled_warning  # O2 float16, compute copies: warn once of a plain backward
+        self.scaled = False  # a scale_loss block ran since the last step
+        self.state_casts = []  # (state dict, key, tensor before, its cast, its version): fp32 state given the param's dtype
         self.storage = storage or Fp32Masters()  # where masters live between steps (scaling/remainder.py)
         self.pairs = []  # (model param, fp32 master)
         self._master_of = {}
@@ -67,6 +72,7 @@ class OptimizerState:
         register :meth:`restore` first, so that an interrupt anywhere in here is undone)."""
         try:  # a fault while making masters leaves no master in the optimizer
             self._sync_groups(fp32_data or {})
+            self._cast_state_to_params()
             self._handles.append(self.optimizer.register_step_pre_hook(self._pre_step))
             self._handles.append(self.optimizer.register_step_post_hook(self._post_step))
         except BaseException:
@@ -102,6 +108,26 @@ class OptimizerState:
         self._master_ids.add(id(master))
         self.storage.adopt(param, master)
         return master
+
+    def _cast_state_to_params(self):
+        """Optimizer state that already exists (a loaded checkpoint, an earlier session) in another floating dtype
+        than its param (O3: fp32 moments of a now half param) gets the param's dtype, as a fresh state would;
+        :meth:`restore` gives back the very tensors it held where no step changed them since."""
+        for p, st in self.optimizer.state.items():
+            if not isinstance(p, torch.Tensor) or not isinstance(st, dict):
+                continue
+            for key, value in list(st.items()):
+                if (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != p.dtype
+                        and value.shape == p.shape and p.is_floating_point()):
+                    cast = value.to(p.dtype)
+                    st[key] = cast
+                    self.state_casts.append((st, key, value, cast, cast._version))
+
+    def _uncast_state(self):
+        while self.state_casts:
+            st, key, before, cast, version = self.state_casts.pop()
+            if st.get(key) is cast:
+                st[key] = before if cast._version == version else cast.to(before.dtype)
 
     def masters_by_model_param(self):
         """id(model param) -> its master as state_dict()/deinitialize/the DDP helpers read and write it."""
@@ -147,6 +173,7 @@ class OptimizerState:
         """
         self._sync_groups()
         self.claim()
+        self.scaled = True
         self.check_foreign("scale_loss")
         if self.skip_next and not self._any_grad():
             self.skip_next = False  # grads cleared (e.g. model.zero_grad()) after an overflow: nothing to skip
@@ -285,6 +312,18 @@ class OptimizerState:
                              "weights (O2) those never reach the fp32 weights. Run backward inside "
                              "'with amp_patch.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()'.")
 
+    def _warn_unscaled(self):
+        """O2 float16 (compute copies): a plain ``loss.backward()`` trains the fp32 params, without loss scaling."""
+        if not self.unscaled_warning or self.scaled or self.pending_scaler is not None:
+            return
+        if any(p.grad is not None for group in self.optimizer.param_groups for p in group["params"]):
+            self.unscaled_warning = False
+            warnings.warn(f"amp_patch: {type(self.optimizer).__name__}.step() after a backward outside "
+                          "amp_patch.scale_loss() under O2 float16: the fp32 weights train, but with no loss "
+                          "scaling small float16 gradients underflow to zero. Run backward as 'with "
+                          "amp_patch.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()' (or use "
+                          "half_dtype=torch.bfloat16). (Warned once.)", UserWarning, stacklevel=4)
+
     # -- step hooks -----------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs):
         self._sync_groups()
@@ -293,6 +332,7 @@ class OptimizerState:
         self.busy[threading.get_ident()] = "optimizer.step()"
         self.check_foreign("optimizer.step()")
         self._check_backward_outside()
+        self._warn_unscaled()
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
         if self.engine is not None and closure is None:  # a closure runs a forward: keep casting for it
             self.engine.pause_for_step()
@@ -320,6 +360,7 @@ class OptimizerState:
         if self.engine is not None:
             self.engine.resume_after_step()
         self.storage.after_step(self.pairs, self.last_skipped)
+        self.scaled = False
         self._clear_master_grads()
         self.masters_stale = bool(self.pairs)
 
@@ -357,6 +398,7 @@ class OptimizerState:
             self._handles[-1].remove()
             self._handles.pop()
         self._carry_edits(strict=False)  # (a clip after the last step is kept: deinitialize gives the masters)
+        self._uncast_state()
         state = self.optimizer.state
         for param, master in self.pairs:
             if master in state:

@@ -18,7 +18,9 @@ the input cast follows the weights the forward uses (a deepcopy of the model, wh
 fp32 on fp32 inputs).
 """
 import torch
+from torch.nn.modules import module as _module_mod
 
+from ..casting.interop.modules import FAST_PATH_TYPES, forward_pre_hook
 from ..config.dtypes import FLOAT_DTYPES
 from .transform import SessionHook
 
@@ -39,6 +41,17 @@ class _Restore(SessionHook):
         self.owner.uninstall()
 
 
+class _RestoreOf(SessionHook):
+    """Global forward hook filtered to one fast-path layer (a hook of its own would cost it its fused kernel)."""
+
+    def __init__(self, model, owner):
+        self.model, self.owner = model, owner
+
+    def __call__(self, module, args, output):
+        if module is self.model:
+            self.owner.uninstall()
+
+
 class ComputeCopies:
     """Per model: half compute copies of its fp32 params for each outermost call (see the module docstring).
     ``slots`` is the :class:`~.transform.WeightSlots` list of ``(module, name)`` it fills."""
@@ -53,6 +66,11 @@ class ComputeCopies:
 
     def attach(self):
         self._collect()
+        if isinstance(self.model, FAST_PATH_TYPES):  # (global hooks, in registration order: before the input cast)
+            self.handles.append(forward_pre_hook(self.model, _Install(self)))
+            self.handles.append(_module_mod.register_module_forward_hook(_RestoreOf(self.model, self),
+                                                                         always_call=True))
+            return self
         self.handles.append(self.model.register_forward_pre_hook(_Install(self), prepend=True))
         self.handles.append(self.model.register_forward_hook(_Restore(self), prepend=True, always_call=True))
         return self

@@ -43,7 +43,7 @@ class OptimizerState:
         self.master_weights = master_weights
         self.unscaled_warning = unscaled_warning  # O2 float16, compute copies: warn once of a plain backward
         self.scaled = False  # a scale_loss block ran since the last step
-        self.state_casts = []  # (state dict, key, tensor before, its cast, its version): fp32 state given the param's dtype
+        self.state_casts = []  # (state, key, before, cast, version): see _cast_state_to_params
         self.storage = storage or Fp32Masters()  # where masters live between steps (scaling/remainder.py)
         self.pairs = []  # (model param, fp32 master)
         self._master_of = {}
@@ -399,6 +399,9 @@ class OptimizerState:
             self._handles.pop()
         self._carry_edits(strict=False)  # (a clip after the last step is kept: deinitialize gives the masters)
         self._uncast_state()
+        if self.pending_scaler is not None:  # an interrupted batch left its grads multiplied by the loss scale
+            for p in self._grad_params():
+                p.grad = None
         state = self.optimizer.state
         for param, master in self.pairs:
             if master in state:

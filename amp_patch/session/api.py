@@ -7,9 +7,9 @@ import torch
 
 from ..casting.engine import CastingEngine
 from ..casting.interop import modules as module_compat
+from ..config.dtypes import HALF_DTYPES
 from ..config.opt_levels import resolve
 from ..errors import ConfigError
-from ..config.dtypes import HALF_DTYPES
 from ..model.compute_copies import ComputeCopies
 from ..model.transform import CallOnForward, ModelPatch
 from ..observe.overflow import OverflowDiagnoser, StepHistory

@@ -3,10 +3,10 @@ import warnings
 
 import pytest
 import torch
+from tests_support import compute_dtypes
 
 import amp_patch
 from amp_patch import ConfigError, UsageError
-from tests_support import compute_dtypes
 
 
 def _model():

@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from tests_support import compute_dtypes
 
 import amp_patch
-from tests_support import compute_dtypes
 from amp_patch import ConfigError, OpListError, UsageError
 
 

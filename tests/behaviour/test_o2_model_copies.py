@@ -18,10 +18,10 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+from tests_support import compute_dtypes
 
 import amp_patch
 from amp_patch.errors import UsageError
-from tests_support import compute_dtypes
 
 HALF = torch.bfloat16
 CAST_LEVELS = ("O2", "O3")

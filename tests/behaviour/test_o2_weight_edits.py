@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch.errors import UsageError
 
 CLIP = 0.01
 

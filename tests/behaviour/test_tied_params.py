@@ -5,9 +5,9 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from tests_support import compute_dtypes
 
 import amp_patch
-from tests_support import compute_dtypes
 
 
 class TiedLM(torch.nn.Module):

@@ -21,6 +21,7 @@ from ..scaling.optimizer_state import OptimizerState
 from ..scaling.protocol import check_idle_elsewhere
 from ..scaling.remainder import make_storage
 from ..scaling.scaler import load_state_dict_into, state_dict_for
+from . import data_loading
 from . import state as _state
 from .checks import (  # noqa: F401
     _as_list,
@@ -237,6 +238,7 @@ def _install_casting(session, table, allow_banned):
                                    registrations=REGISTRY.take(), activation=_state.ACTIVATION)
     session.undo.append(session.engine.uninstall)
     session.engine.install()
+    session.undo.append(data_loading.install(session.engine))
     session.undo.append(module_compat.relax_rnn_input_check(session.engine))
     for state in session.opt_states.values():
         state.engine = session.engine

@@ -17,7 +17,6 @@ from amp_patch.model.compute_copies import ComputeCopies
 from amp_patch.model.transform import ModelPatch
 from amp_patch.parallel import ddp as distributed
 from amp_patch.patching.patcher import Patcher
-from amp_patch.scaling.optimizer_state import OptimizerState
 from amp_patch.session import api as frontend
 from amp_patch.session import state as _state
 from amp_patch.session.session import Session

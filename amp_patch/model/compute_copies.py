@@ -30,7 +30,7 @@ class _Install(SessionHook):
         self.owner = owner
 
     def __call__(self, module, args):
-        self.owner.install()
+        self.owner.install(module)
 
 
 class _Restore(SessionHook):
@@ -73,7 +73,19 @@ class ComputeCopies:
             return self
         self.handles.append(self.model.register_forward_pre_hook(_Install(self), prepend=True))
         self.handles.append(self.model.register_forward_hook(_Restore(self), prepend=True, always_call=True))
+        self._hook_owners()
         return self
+
+    def _hook_owners(self):
+        """The modules that own cast params get the same hooks: called on their own (a submodule called
+        directly, a checkpointed segment recomputed during backward) they swap their own params; inside an
+        outer call they only count the depth. Not inside a fast-path layer (its hooks would cost the kernel)."""
+        inside = {id(m) for layer in self.model.modules() if isinstance(layer, FAST_PATH_TYPES) for m in
+                  layer.modules()}
+        owners = {id(m): m for m, _ in self.slots if m is not self.model and id(m) not in inside}
+        for module in owners.values():
+            self.handles.append(module.register_forward_pre_hook(_Install(self), prepend=True))
+            self.handles.append(module.register_forward_hook(_Restore(self), prepend=True, always_call=True))
 
     def _collect(self):
         """The (module, name) slots of floating params outside kept-fp32 modules, once per registration change."""
@@ -82,20 +94,25 @@ class ComputeCopies:
             if self.keep_types and isinstance(module, self.keep_types):
                 continue
             for name, p in module._parameters.items():
-                if p is not None and p.dtype in FLOAT_DTYPES and p.dtype is not self.dtype:
+                if p is not None and p.dtype in FLOAT_DTYPES:  # (whatever it holds now: maybe another's copy)
                     slots.append((module, name))
         self.slots[:] = slots
         self.generation = self.watch.generation
 
-    def install(self):
+    def install(self, called=None):
+        """A call of ``called`` (the model, or a module owning cast params) starts: the outermost one swaps."""
         self.depth += 1
         if self.depth > 1:
             return
         if self.generation != self.watch.generation:
             self._collect()
+        slots = self.slots
+        if called is not None and called is not self.model:
+            members = {id(m) for m in called.modules()}
+            slots = [(m, n) for m, n in slots if id(m) in members]
         copies = {}  # id(param) -> its copy: a tied param is cast once
         touched = set()
-        for module, name in self.slots:
+        for module, name in slots:
             p = module._parameters.get(name)
             if p is None or p.dtype is self.dtype or p.dtype not in FLOAT_DTYPES:
                 continue

@@ -310,3 +310,38 @@ def test_o3_takes_an_optimizer_with_fp32_state():
         scaled.backward()
     opt.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_segment_recomputes_on_compute_copies(reentrant):
+    """The recompute runs during backward, after the model's call returned: the segment's own modules make
+    their compute copies again, so the grads are bitwise those of the same O2 model without checkpointing."""
+    class Net(torch.nn.Module):
+        def __init__(self, ckpt):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.ckpt = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2), ckpt
+
+        def forward(self, x):
+            h = torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=reentrant) if self.ckpt else self.a(x)
+            return self.b(torch.tanh(h))
+
+    grads = []
+    for ckpt in (False, True):
+        model = Net(ckpt)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp_patch.initialize(model, opt, opt_level="O2", half_dtype=HALF, verbosity=0)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=reentrant)
+        with amp_patch.scale_loss(model(x).sum(), opt) as scaled:
+            scaled.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        assert all(p.dtype is torch.float32 for p in model.parameters())
+        amp_patch.deinitialize()
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_submodule_called_on_its_own_runs_on_its_compute_copies():
+    model, _ = _models(0)
+    amp_patch.initialize(model, opt_level="O2", half_dtype=HALF, verbosity=0)
+    h = model[0](torch.randn(2, 4).to(HALF))
+    assert h.dtype is HALF and model[0].weight.dtype is torch.float32

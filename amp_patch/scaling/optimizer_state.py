@@ -43,6 +43,8 @@ class OptimizerState:
         self.master_weights = master_weights
         self.unscaled_warning = unscaled_warning  # O2 float16, compute copies: warn once of a plain backward
         self.scaled = False  # a scale_loss block ran since the last step
+        self.stepping = 0  # inside step() (a closure's scale_loss runs there)
+        self.closure_overflow = False  # a closure's backward overflowed: its grads were zeroed
         self.state_casts = []  # (state, key, before, cast, version): see _cast_state_to_params
         self.storage = storage or Fp32Masters()  # where masters live between steps (scaling/remainder.py)
         self.pairs = []  # (model param, fp32 master)
@@ -211,7 +213,16 @@ class OptimizerState:
             return False
         found = self._unscale(scaler) or self.pending_inf
         self.pending_scaler, self.pending_inf, self.unreduced = None, False, False
+        if found and self.stepping:  # a closure inside step(): the step cannot be skipped any more, so the
+            self._zero_grads()       # overflowed grads become zeros and the step is reported skipped
+            self.closure_overflow = True
         return found
+
+    def _zero_grads(self):
+        grads = [p.grad for p in self._grad_params() if p.grad is not None and not p.grad.is_sparse]
+        grads += [m.grad for _, m in self.pairs if m.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
 
     def _rescale_in_place(self, old, new):
         """Grads scaled by ``old`` become scaled by ``new`` without leaving ``param.grad``; inf/NaN seen?"""
@@ -345,6 +356,7 @@ class OptimizerState:
             self.note_update(scaler, memento, found)
         self.last_skipped = self.skip_next
         self.skip_next = False
+        self.stepping += 1
         self._check_groups_unchanged()
         self.storage.before_step(self.pairs)
         if self.last_skipped:
@@ -359,6 +371,9 @@ class OptimizerState:
         self.undo_updates.clear()
         if self.engine is not None:
             self.engine.resume_after_step()
+        self.stepping = max(self.stepping - 1, 0)
+        if self.closure_overflow:  # (the scaler backed off already; the next step is not skipped for it)
+            self.last_skipped, self.skip_next, self.closure_overflow = True, False, False
         self.storage.after_step(self.pairs, self.last_skipped)
         self.scaled = False
         self._clear_master_grads()

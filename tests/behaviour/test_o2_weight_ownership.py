@@ -345,3 +345,28 @@ def test_a_submodule_called_on_its_own_runs_on_its_compute_copies():
     amp_patch.initialize(model, opt_level="O2", half_dtype=HALF, verbosity=0)
     h = model[0](torch.randn(2, 4).to(HALF))
     assert h.dtype is HALF and model[0].weight.dtype is torch.float32
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_overflow_inside_a_closure_is_not_stepped_on(level):
+    """The step already runs when the closure's backward overflows: its grads become zeros (the step changes
+    nothing), the step is reported skipped, the scale backs off, and the next step is not skipped for it."""
+    model, _ = _models(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_patch.initialize(model, opt, opt_level=level, half_dtype=torch.float16, verbosity=0)
+    x, y = torch.randn(5, 4), torch.randn(5, 3)
+    before, scale = [p.detach().clone() for p in model.parameters()], amp_patch.loss_scale()
+
+    def closure(factor):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x).float(), y) * factor
+        with amp_patch.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        return loss
+
+    opt.step(lambda: closure(float("inf")))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert amp_patch.last_step_skipped(opt) and amp_patch.loss_scale() == scale / 2
+    opt.step(lambda: closure(1.0))
+    assert not amp_patch.last_step_skipped(opt)
+    assert not torch.equal(model[0].weight, before[0]) and all(torch.isfinite(p).all() for p in model.parameters())

@@ -31,6 +31,7 @@ from ..errors import UsageError
 from ..model.transform import carry_edits
 from ..parallel import ddp as distributed
 from .remainder import Fp32Masters
+from .state_casts import cast_state_to_params, uncast_state
 from .unscale import unscale_
 
 
@@ -45,7 +46,7 @@ class OptimizerState:
         self.scaled = False  # a scale_loss block ran since the last step
         self.stepping = 0  # inside step() (a closure's scale_loss runs there)
         self.closure_overflow = False  # a closure's backward overflowed: its grads were zeroed
-        self.state_casts = []  # (state, key, before, cast, version): see _cast_state_to_params
+        self.state_casts = []  # existing optimizer state given its param's dtype (scaling/state_casts.py)
         self.storage = storage or Fp32Masters()  # where masters live between steps (scaling/remainder.py)
         self.pairs = []  # (model param, fp32 master)
         self._master_of = {}
@@ -74,7 +75,7 @@ class OptimizerState:
         register :meth:`restore` first, so that an interrupt anywhere in here is undone)."""
         try:  # a fault while making masters leaves no master in the optimizer
             self._sync_groups(fp32_data or {})
-            self._cast_state_to_params()
+            self.state_casts = cast_state_to_params(self.optimizer)
             self._handles.append(self.optimizer.register_step_pre_hook(self._pre_step))
             self._handles.append(self.optimizer.register_step_post_hook(self._post_step))
         except BaseException:
@@ -110,26 +111,6 @@ class OptimizerState:
         self._master_ids.add(id(master))
         self.storage.adopt(param, master)
         return master
-
-    def _cast_state_to_params(self):
-        """Optimizer state that already exists (a loaded checkpoint, an earlier session) in another floating dtype
-        than its param (O3: fp32 moments of a now half param) gets the param's dtype, as a fresh state would;
-        :meth:`restore` gives back the very tensors it held where no step changed them since."""
-        for p, st in self.optimizer.state.items():
-            if not isinstance(p, torch.Tensor) or not isinstance(st, dict):
-                continue
-            for key, value in list(st.items()):
-                if (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != p.dtype
-                        and value.shape == p.shape and p.is_floating_point()):
-                    cast = value.to(p.dtype)
-                    st[key] = cast
-                    self.state_casts.append((st, key, value, cast, cast._version))
-
-    def _uncast_state(self):
-        while self.state_casts:
-            st, key, before, cast, version = self.state_casts.pop()
-            if st.get(key) is cast:
-                st[key] = before if cast._version == version else cast.to(before.dtype)
 
     def masters_by_model_param(self):
         """id(model param) -> its master as state_dict()/deinitialize/the DDP helpers read and write it."""
@@ -413,7 +394,7 @@ class OptimizerState:
             self._handles[-1].remove()
             self._handles.pop()
         self._carry_edits(strict=False)  # (a clip after the last step is kept: deinitialize gives the masters)
-        self._uncast_state()
+        uncast_state(self.state_casts)
         if self.pending_scaler is not None:  # an interrupted batch left its grads multiplied by the loss scale
             for p in self._grad_params():
                 p.grad = None

@@ -1,4 +1,6 @@
-"""Bytes per parameter of fp32 training, O2 with fp32 masters and O2 with remainder masters (bf16 + int16), with
+"""Bytes per parameter of fp32 training, O2 (the fp32 params are the masters; half compute copies per forward), O2
+in the two-copy layout of the apex alias (half params, fp32 masters in the optimizer) and O2 with remainder masters
+(bf16 + int16), with
 SGD-momentum and AdamW, and the step time of remainder masters relative to fp32-master O2.
 
 Usage: python benchmarks/bench_o2_memory.py [--width 1024] [--layers 4] [--batch 32] [--steps 6] [--rounds 3]
@@ -20,6 +22,7 @@ interleaved round by round on fresh models; and of ``optimizer.step()`` from aft
 remainder / fp32-master O2 <= 1.10 for the whole step. Nothing is asserted.
 """
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -27,8 +30,9 @@ import torch
 from torch import nn
 
 import amp_patch
+from amp_patch.session.state import in_two_copy_layout
 
-VARIANTS = ("fp32", "O2", "O2-remainder")
+VARIANTS = ("fp32", "O2", "O2-two-copy", "O2-remainder")  # O2-two-copy: the apex alias's layout (masters apart)
 OPTIMIZERS = {"sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
               "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01)}
 
@@ -46,8 +50,10 @@ def setup(variant, opt_name, width, layers):
     opt = OPTIMIZERS[opt_name](model.parameters())
     if variant != "fp32":
         masters = "remainder" if variant == "O2-remainder" else True
-        model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
-                                          master_weights=masters, verbosity=0)
+        layout = in_two_copy_layout() if variant == "O2-two-copy" else contextlib.nullcontext()
+        with layout:
+            model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
+                                              master_weights=masters, verbosity=0)
     return model, opt
 
 

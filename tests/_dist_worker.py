@@ -295,12 +295,16 @@ def master_sync(rank, world):
 
 def master_warning(rank, world):
     """Half params overwritten with rank 0's by hand (DDP's own broadcast is followed by the masters): the first
-    scale_loss warns on the rank whose masters are stale."""
+    scale_loss warns on the rank whose masters are stale. (The two-copy layout of the apex alias: default O2 has
+    no second copy to go stale.)"""
     import warnings
+
+    from amp_patch.session.state import in_two_copy_layout
 
     model = make_model(seed=rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=HALF, verbosity=0)
+    with in_two_copy_layout():
+        model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=HALF, verbosity=0)
     try:
         ddp = DDP(model)
         with torch.no_grad():

@@ -160,3 +160,19 @@ def split_params(text):
         else:
             current += ch
     return [p for p in params + [current.strip()] if p and p != "*"]
+
+
+def compute_dtypes(model, *args, **kwargs):
+    """{param name: dtype} of the weights ``model``'s forward runs on (under O2: its half compute copies, while
+    the registered params stay fp32), every name of a tied param included."""
+    seen = {}
+
+    def record(module, call_args):
+        seen.update({n: p.dtype for n, p in module.named_parameters(remove_duplicate=False)})
+
+    handle = model.register_forward_pre_hook(record)
+    try:
+        model(*args, **kwargs)
+    finally:
+        handle.remove()
+    return seen

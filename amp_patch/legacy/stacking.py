@@ -50,7 +50,8 @@ def initialize(*args, **kwargs):
         return _add_to(session, models, optimizers, call)
     if session is not None:
         _close_incompatible(session, call)
-    result = _initialize(models, optimizers, **with_list_edits(call))
+    with _state.in_two_copy_layout():  # Apex scripts inspect half model params and masters (docs/migration.md)
+        result = _initialize(models, optimizers, **with_list_edits(call))
     _opened(_state.current(), dict(call), [])
     return result
 
@@ -164,7 +165,8 @@ def _add_to(session, models, optimizers, call):
     merged = {**kept["calls"], **call, "allow_incoming_model_not_fp32": True}  # (the new models were checked)
     deinitialize()
     try:
-        _initialize(all_models, all_optimizers, **with_list_edits(merged))
+        with _state.in_two_copy_layout():
+            _initialize(all_models, all_optimizers, **with_list_edits(merged))
     except BaseException:
         log.error("amp.initialize() could not add the new models to the open session; the earlier models and "
                   "optimizers were restored to fp32 and are no longer managed")

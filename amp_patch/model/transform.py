@@ -297,8 +297,9 @@ class ModelPatch:
         self.kept = {}  # id(tensor) -> its pre-initialize data, until commit(): a failed initialize restores it
         self.like = WeightSlots()  # where the params cast live: the first gives the model's dtype, as it is now
 
-    def cast(self, dtype, keep_types):
-        """Cast params/buffers to ``dtype`` except modules of ``keep_types`` (which stay as they are).
+    def cast(self, dtype, keep_types, params=True):
+        """Cast params/buffers to ``dtype`` except modules of ``keep_types`` (which stay as they are);
+        ``params=False`` (O2's compute copies, see ``compute_copies``): the buffers only.
 
         Returns ``{id(param): fp32 data}`` for params that changed dtype (zero-copy: the old storage).
         """
@@ -306,7 +307,8 @@ class ModelPatch:
         for module in self.model.modules():
             if keep_types and isinstance(module, keep_types):
                 continue
-            for name, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            named = list(module.named_parameters(recurse=False)) if params else []
+            for name, t in named + list(module.named_buffers(recurse=False)):
                 if t is None or not t.is_floating_point() or t.dtype is dtype or id(t) in self.kept:
                     continue
                 self.kept[id(t)] = t.data
@@ -325,11 +327,17 @@ class ModelPatch:
         buffer_ids = {id(buffer) for _, _, buffer, _ in self.buffers}
         self.kept = {k: v for k, v in self.kept.items() if k in buffer_ids}
 
-    def cast_io(self, input_dtype, output_dtype, keep_types):
-        """Cast floating inputs of the model to its weights' dtype and its outputs to ``output_dtype``."""
+    def cast_io(self, input_dtype, output_dtype, keep_types, compute_copies=None):
+        """Cast floating inputs of the model to its weights' dtype and its outputs to ``output_dtype``.
+        ``compute_copies(model, dtype, keep_types, watch, slots)``: the ``ComputeCopies`` class, O2's half weights
+        per call (installed first: the input cast follows the weights the forward uses)."""
         watch = RegistrationWatch()
         self.handles.append(watch)  # before it installs: restore() removes it whenever an interrupt lands
         watch.install()
+        if compute_copies is not None:
+            copies = compute_copies(self.model, input_dtype, keep_types, watch, self.like.slots)
+            self.handles.append(copies)
+            copies.attach()
         self.handles.append(forward_pre_hook(self.model, CastInputs(self.like, input_dtype, keep_types, watch),
                                              with_kwargs=True))
         self.handles.append(forward_hook(self.model, CastOutputs(output_dtype)))

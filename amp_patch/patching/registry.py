@@ -26,6 +26,8 @@ CATALOGUE = (
     ("torch.amp.autocast_mode.autocast.__exit__", "casting.interop.native_regions", "(the region's end)"),
     ("torch.is_autocast_enabled", "casting.interop.native_regions",
      "custom_fwd/custom_bwd functions see casting on inside a session"),
+    ("torch.utils.data.dataloader._SingleProcessDataLoaderIter._next_data", "session.data_loading",
+     "a num_workers=0 fetch runs with casting off, as in DataLoader workers (the data pipeline never casts)"),
     ("torch.nn.parallel.distributed.DistributedDataParallel.__init__", "parallel.ddp",
      "O2 masters follow DDP's broadcast of rank 0's weights"),
     ("torch.nn.parallel.distributed.DistributedDataParallel.no_sync", "parallel.ddp",

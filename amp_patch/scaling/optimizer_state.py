@@ -31,15 +31,21 @@ from ..model.transform import carry_edits
 from ..parallel import ddp as distributed
 from . import unscaled
 from .remainder import Fp32Masters
+from .state_casts import cast_state_to_params, uncast_state
 from .unscale import unscale_
 
 
 class OptimizerState:
     """What amp_patch tracks for one optimizer passed to ``initialize``."""
 
-    def __init__(self, optimizer, *, master_weights, fp32_data=None, storage=None, attach=True):
+    def __init__(self, optimizer, *, master_weights, fp32_data=None, storage=None, attach=True,
+                 unscaled_warning=False):
         self.optimizer = optimizer
         self.master_weights = master_weights
+        self.unscaled_warning = unscaled_warning  # the opt level where a plain backward trains unscaled
+        self.stepping = 0  # inside step() (a closure's scale_loss runs there)
+        self.closure_overflow = False  # a closure's backward overflowed: its grads were zeroed
+        self.state_casts = []  # existing optimizer state given its param's dtype (scaling/state_casts.py)
         self.storage = storage or Fp32Masters()  # where masters live between steps (scaling/remainder.py)
         self.pairs = []  # (model param, fp32 master)
         self._master_of = {}
@@ -70,6 +76,7 @@ class OptimizerState:
         register :meth:`restore` first, so that an interrupt anywhere in here is undone)."""
         try:  # a fault while making masters leaves no master in the optimizer
             self._sync_groups(fp32_data or {})
+            self.state_casts = cast_state_to_params(self.optimizer)
             self._handles.append(self.optimizer.register_step_pre_hook(self._pre_step))
             self._handles.append(self.optimizer.register_step_post_hook(self._post_step))
         except BaseException:
@@ -196,7 +203,16 @@ class OptimizerState:
         found = self._unscale(scaler) or self.pending_inf
         self.pending_scaler, self.pending_inf, self.unreduced = None, False, False
         self._restore_set_aside()
+        if found and self.stepping:  # a closure inside step(): the step cannot be skipped any more, so the
+            self._zero_grads()       # overflowed grads become zeros and the step is reported skipped
+            self.closure_overflow = True
         return found
+
+    def _zero_grads(self):
+        grads = [p.grad for p in self._grad_params() if p.grad is not None and not p.grad.is_sparse]
+        grads += [m.grad for _, m in self.pairs if m.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
 
     def _rescale_in_place(self, old, new):
         """Grads scaled by ``old`` become scaled by ``new`` without leaving ``param.grad``; inf/NaN seen?"""
@@ -319,6 +335,7 @@ class OptimizerState:
             self.note_update(scaler, memento, found)
         self.last_skipped = self.skip_next
         self.skip_next = False
+        self.stepping += 1
         self._check_groups_unchanged()
         self.storage.before_step(self.pairs)
         if self.last_skipped:
@@ -334,6 +351,9 @@ class OptimizerState:
         self.undo_updates.clear()
         if self.engine is not None:
             self.engine.resume_after_step()
+        self.stepping = max(self.stepping - 1, 0)
+        if self.closure_overflow:  # (the scaler backed off already; the next step is not skipped for it)
+            self.last_skipped, self.skip_next, self.closure_overflow = True, False, False
         self.storage.after_step(self.pairs, self.last_skipped)
         self._clear_master_grads()
         self.masters_stale = bool(self.pairs)
@@ -372,6 +392,10 @@ class OptimizerState:
             self._handles[-1].remove()
             self._handles.pop()
         self._carry_edits(strict=False)  # (a clip after the last step is kept: deinitialize gives the masters)
+        uncast_state(self.state_casts)
+        if self.pending_scaler is not None:  # an interrupted batch left its grads multiplied by the loss scale
+            for p in self._grad_params():
+                p.grad = None
         state = self.optimizer.state
         for param, master in self.pairs:
             if master in state:

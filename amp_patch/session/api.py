@@ -1,4 +1,5 @@
 """The Apex-compatible entry points: initialize, deinitialize, amp state, master params (scale_loss: scaling/)."""
+import dataclasses
 import functools
 import logging
 
@@ -6,8 +7,10 @@ import torch
 
 from ..casting.engine import CastingEngine
 from ..casting.interop import modules as module_compat
+from ..config.dtypes import HALF_DTYPES
 from ..config.opt_levels import resolve
 from ..errors import ConfigError
+from ..model.compute_copies import ComputeCopies
 from ..model.transform import CallOnForward, ModelPatch
 from ..observe.overflow import OverflowDiagnoser, StepHistory
 from ..observe.trace import Tracer
@@ -18,6 +21,7 @@ from ..scaling.optimizer_state import OptimizerState
 from ..scaling.protocol import check_idle_elsewhere
 from ..scaling.remainder import make_storage
 from ..scaling.scaler import load_state_dict_into, state_dict_for
+from . import data_loading
 from . import state as _state
 from .checks import (  # noqa: F401
     _as_list,
@@ -65,6 +69,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
                     loss_scale=loss_scale, cast_model_outputs=cast_model_outputs, master_rounding=master_rounding)
     props, fsdp_groups, unsharded = distributed.check_fsdp_at_initialize(model_list, props, master_weights)
+    props = _weight_layout(props)
     # every argument is checked before anything is touched: a ConfigError leaves the models as they were
     _check_optimizers_train_models(props, model_list, opt_list)
     check_no_shared_params(props, opt_list, model_list)
@@ -84,6 +89,17 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         _abandon(session)
         raise
     return _pack(models, optimizers)
+
+
+def _weight_layout(props):
+    """O2 with fp32 masters rounded as torch casts: the model's fp32 params are the masters and the forward uses
+    half compute copies (``master_storage="model"``, see model/compute_copies.py). Remainder masters, the split
+    rounding and the apex alias (``state.two_copy_layout``) keep half model params plus fp32 masters in the
+    optimizer (scaling/optimizer_state.py)."""
+    if (props.master_weights and props.cast_model_type in HALF_DTYPES and props.master_storage == "fp32"
+            and props.master_rounding == "nearest" and not _state.two_copy_layout()):
+        return dataclasses.replace(props, master_storage="model")
+    return props
 
 
 def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks):
@@ -162,8 +178,10 @@ def _prepare_models(session, models):
         patch = ModelPatch(model)
         session.model_patches.append(patch)
         session.undo.append(lambda patch=patch: patch.restore(_restore_values(session, patch)))
-        fp32_data.update(patch.cast(props.cast_model_type, keep))
-        patch.cast_io(props.cast_model_type, props.cast_model_outputs or torch.float32, keep)
+        copies = props.master_storage == "model"
+        fp32_data.update(patch.cast(props.cast_model_type, keep, params=not copies))
+        patch.cast_io(props.cast_model_type, props.cast_model_outputs or torch.float32, keep,
+                      compute_copies=ComputeCopies if copies else None)
     return fp32_data
 
 
@@ -174,11 +192,21 @@ def _restore_values(session, patch):
     return {pid: values[pid].to(param.device) for pid, (param, _) in patch.original_dtypes.items() if pid in values}
 
 
+def _trains_unscaled(props):
+    """The opt level under which a plain backward (scale_loss forgotten) trains without its float16 loss scale, or
+    None: O1, and O2 where the fp32 params are the only weights (see scaling/unscaled.py)."""
+    scaled = props.half_dtype is torch.float16 and (props.dynamic or props.loss_scale != 1.0)
+    one_owner = props.opt_level == "O1" or props.master_storage == "model"
+    return props.opt_level if scaled and one_owner else None
+
+
 def _attach_optimizers(session, optimizers, fp32_data):
     for opt in optimizers:
         props = session.props
-        state = OptimizerState(opt, master_weights=props.master_weights, fp32_data=fp32_data,
-                               storage=make_storage(props.master_storage, props.master_rounding), attach=False)
+        state = OptimizerState(opt, master_weights=props.master_weights and props.master_storage != "model",
+                               fp32_data=fp32_data, storage=make_storage(props.master_storage, props.master_rounding),
+                               unscaled_warning=_trains_unscaled(props),
+                               attach=False)
         session.opt_states[id(opt)] = state
         session.undo.append(state.restore)  # before attach: an interrupt inside it is undone too
         state.attach(fp32_data)
@@ -218,6 +246,7 @@ def _install_casting(session, table, allow_banned):
                                    registrations=REGISTRY.take(), activation=_state.ACTIVATION)
     session.undo.append(session.engine.uninstall)
     session.engine.install()
+    session.undo.append(data_loading.install(session.engine))
     session.undo.append(module_compat.relax_rnn_input_check(session.engine))
     for state in session.opt_states.values():
         state.engine = session.engine

@@ -56,7 +56,7 @@ def check_no_shared_params(props, optimizers, models, attached=()):
     """Under master weights each optimizer keeps its own fp32 master of each param it holds: two optimizers over
     one param would train two masters, and each step() would copy its own into the param (wrong numbers).
     ``attached``: (optimizer, the params it holds: model params and their masters) of a running session."""
-    if not props.master_weights:
+    if not props.master_weights or props.master_storage == "model":  # (compute copies: the params are the masters)
         return
     names = {id(p): n for m in models for n, p in m.named_parameters()}
     owner = {}

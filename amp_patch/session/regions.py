@@ -19,6 +19,7 @@ import torch
 from ..casting.engine import CastingEngine
 from ..config.oplist import load_op_lists
 from ..errors import ConfigError, UsageError
+from . import data_loading
 from . import state as _state
 
 
@@ -99,12 +100,14 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
                           "use scopes", UserWarning, stacklevel=3)
         with _state.lock:
             engine.install()
+            undo_loading = data_loading.install(engine)
             _state.set_region_engine(engine)  # an O0/O2/O3 session (no engine of its own) stays the active one
         engine.enter_region()
 
         def close():
             with _state.lock:
                 _state.set_region_engine(None)
+                undo_loading()
                 engine.uninstall()
 
         return close

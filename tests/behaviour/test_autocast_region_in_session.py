@@ -96,19 +96,21 @@ def _two_sgd_over_one_model():
 
 
 def test_two_optimizers_over_one_param_are_refused_at_o2_before_anything_changes():
+    """The two-copy layout (here master_rounding="split"; also the apex alias) keeps a master per optimizer."""
     zero_grad, hooks = torch.optim.Optimizer.zero_grad, _hooks()
     model, o1, o2 = _two_sgd_over_one_model()
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(amp_patch.ConfigError, match=r"SGD and SGD.*'weight'.*opt_level='O2'.*param groups"):
-        amp_patch.initialize(model, [o1, o2], opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+        amp_patch.initialize(model, [o1, o2], opt_level="O2", half_dtype=torch.bfloat16, verbosity=0,
+                             master_rounding="split")
     _assert_undone(model, zero_grad, hooks)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert o1.param_groups[0]["params"][0] is model.weight and not o1.state
 
 
-@pytest.mark.parametrize("level", ["O1", "O3"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 def test_two_optimizers_over_one_param_are_kept_without_masters(level):
-    model, o1, o2 = _two_sgd_over_one_model()  # no masters: both step the one param, as in fp32
+    model, o1, o2 = _two_sgd_over_one_model()  # no second copy (O2: the param is the master): as in fp32
     amp_patch.initialize(model, [o1, o2], opt_level=level, half_dtype=torch.bfloat16, verbosity=0)
 
 
@@ -122,7 +124,8 @@ def test_two_optimizers_over_separate_params_are_accepted_at_o2():
 @pytest.mark.parametrize("together", [True, False])
 def test_attach_optimizers_refuses_an_optimizer_over_an_attached_param(together):
     model, o1, o2 = _two_sgd_over_one_model()
-    model = amp_patch.initialize(model, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    model = amp_patch.initialize(model, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0,
+                                 master_rounding="split")  # (the two-copy layout: a master per optimizer)
     if not together:
         amp_patch.attach_optimizers(o1)  # its params are the fp32 masters from now on
     with pytest.raises(amp_patch.ConfigError, match=r"two optimizers .*'weight'"):

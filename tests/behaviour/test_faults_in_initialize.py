@@ -13,10 +13,10 @@ from torch.nn.modules import module as module_mod
 
 import amp_patch
 from amp_patch.casting.engine import CastingEngine
+from amp_patch.model.compute_copies import ComputeCopies
 from amp_patch.model.transform import ModelPatch
 from amp_patch.parallel import ddp as distributed
 from amp_patch.patching.patcher import Patcher
-from amp_patch.scaling.optimizer_state import OptimizerState
 from amp_patch.session import api as frontend
 from amp_patch.session import state as _state
 from amp_patch.session.session import Session
@@ -144,9 +144,9 @@ def test_fault_after_each_initialize_step_leaves_everything_as_before(monkeypatc
 
 
 INNER = [  # (owner, name, n-th call that raises, the levels that call it)
-    (OptimizerState, "_make_master", 2, ("O2",)), (ModelPatch, "cast_io", 1, ("O2", "O3")),
+    (ComputeCopies, "attach", 1, ("O2",)), (ModelPatch, "cast_io", 1, ("O2", "O3")),
     (ModelPatch, "link_state_dict", 1, ("O2", "O3")), (Patcher, "install", 40, ("O1",)),
-    (Patcher, "install", 2, ("O2",)), (Patcher, "install", 1, ("O3",)),
+    (Patcher, "install", 1, ("O2",)), (Patcher, "install", 1, ("O3",)),
     (CastingEngine, "install", 1, ("O1",)), (distributed, "install_rank_filter", 1, LEVELS),
     (_state, "activate", 1, LEVELS)]  # (the activation in _commit: the last step that can fail)
 INNER_CASES = [pytest.param(owner, name, n, level, id=f"{owner.__name__}.{name}{n}-{level}")

@@ -152,7 +152,7 @@ def _o2_batch_failed_after_backward():
 
 def test_o2_zero_grad_clears_the_half_model_grads_and_the_pending_scale():
     model, opt, (x, y) = _o2_batch_failed_after_backward()
-    assert all(p.grad is not None and p.grad.dtype is torch.float16 for p in model.parameters())
+    assert all(p.grad is not None and p.grad.dtype is torch.float32 for p in model.parameters())  # (the fp32 params')
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     state = amp_patch.session.state.current().state_for(opt)
@@ -197,8 +197,10 @@ def test_module_zero_grad_after_an_overflow_does_not_skip_the_next_step(level):
 def test_o2_zero_grad_without_set_to_none_then_step_is_not_a_plain_backward():
     model, opt, (x, y) = _o2_batch_failed_after_backward()
     opt.zero_grad(set_to_none=False)
-    opt.step()  # no grads left anywhere: a no-op step, not "backward outside scale_loss"
-    assert all(p.grad is None for p in model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()  # zero grads on the fp32 params: a no-op step, not "backward outside scale_loss"
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])

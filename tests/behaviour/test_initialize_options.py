@@ -3,6 +3,7 @@ import warnings
 
 import pytest
 import torch
+from tests_support import compute_dtypes
 
 import amp_patch
 from amp_patch import ConfigError, UsageError
@@ -16,25 +17,25 @@ def _opt(model, cls=torch.optim.SGD):
     return cls(model.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize("level,param_dtypes,bn_dtype,out_dtype,scale", [
-    ("O0", {torch.float32}, torch.float32, torch.float32, 1.0),
-    ("O1", {torch.float32}, torch.float32, torch.float16, 65536.0),
-    ("O2", {torch.float16, torch.float32}, torch.float32, torch.float32, 65536.0),
-    ("O3", {torch.float16}, torch.float16, torch.float32, 1.0),
+@pytest.mark.parametrize("level,param_dtypes,compute,bn_dtype,out_dtype,scale", [
+    ("O0", {torch.float32}, {torch.float32}, torch.float32, torch.float32, 1.0),
+    ("O1", {torch.float32}, {torch.float32}, torch.float32, torch.float16, 65536.0),
+    ("O2", {torch.float32}, {torch.float16, torch.float32}, torch.float32, torch.float32, 65536.0),
+    ("O3", {torch.float16}, {torch.float16}, torch.float16, torch.float32, 1.0),
 ])
-def test_opt_level_documented_behaviour(level, param_dtypes, bn_dtype, out_dtype, scale):
+def test_opt_level_documented_behaviour(level, param_dtypes, compute, bn_dtype, out_dtype, scale):
     model = _model()
     opt = _opt(model)
     model, opt = amp_patch.initialize(model, opt, opt_level=level, verbosity=0)
-    assert {p.dtype for p in model.parameters()} == param_dtypes
+    assert {p.dtype for p in model.parameters()} == param_dtypes  # O2: the fp32 params are the masters
+    assert set(compute_dtypes(model, torch.randn(3, 4)).values()) == compute  # O2: half copies, bn kept fp32
     assert model[1].weight.dtype is bn_dtype and model[1].running_mean.dtype is bn_dtype
     assert model(torch.randn(3, 4)).dtype is out_dtype
     assert amp_patch.loss_scale() == scale
     masters = list(amp_patch.master_params(opt))
     assert all(p.dtype is torch.float32 for p in masters) == (level != "O3")
-    if level == "O2":
-        assert id(model[0].weight) not in {id(p) for p in masters}
-        assert all(m is not model[0].weight for m in masters)
+    if level == "O2":  # one owner: the optimizer holds the model's own params
+        assert [id(p) for p in masters] == [id(p) for p in model.parameters()]
     amp_patch.deinitialize()
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
@@ -80,7 +81,7 @@ def test_accepted_string_overrides():
     model = _model()
     amp_patch.initialize(model, _opt(model), opt_level="O2", keep_batchnorm_fp32="False", loss_scale="128.0",
                          verbosity=0)
-    assert model[1].weight.dtype is torch.float16 and amp_patch.loss_scale() == 128.0
+    assert compute_dtypes(model, torch.randn(3, 4))["1.weight"] is torch.float16 and amp_patch.loss_scale() == 128.0
 
 
 def test_bfloat16_defaults_to_no_scaling_but_still_skips():
@@ -202,7 +203,9 @@ def test_o2_keep_fp32_modules_and_cast_model_outputs():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp_patch.initialize(model, opt, opt_level="O2", keep_fp32_modules=(torch.nn.LayerNorm,),
                                       cast_model_outputs=torch.float16, verbosity=0)
-    assert model.norm.weight.dtype is torch.float32 and model.fc.weight.dtype is torch.float16
+    dtypes = compute_dtypes(model, torch.randn(3, 4))
+    seen.clear()
+    assert dtypes["norm.weight"] is torch.float32 and dtypes["fc.weight"] is torch.float16
     assert model(torch.randn(3, 4)).dtype is torch.float16
     assert seen == [torch.float16]  # back to half after the fp32 module, for the half layers after it
     amp_patch.deinitialize()

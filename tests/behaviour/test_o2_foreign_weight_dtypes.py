@@ -1,6 +1,8 @@
-"""O2/O3 models whose weights come in another dtype at a forward: ``torch.func.functional_call`` with the fp32
-``state_dict()`` runs in fp32 (inputs follow the weights actually used), and a cast param given an fp32 value
-(``param.data = ...``) is refused at the next forward, naming the fix."""
+"""O2/O3 models whose weights come in another dtype at a forward. O2: the fp32 params are the weights, so
+``torch.func.functional_call`` with the fp32 ``state_dict()`` runs exactly as the model itself (half compute
+copies of the tensors passed). O3: functional_call with fp32 weights runs in fp32 (inputs follow the weights
+actually used), and a cast param given an fp32 value (``param.data = ...``) is refused at the next forward,
+naming the fix."""
 import copy
 
 import pytest
@@ -24,21 +26,24 @@ def test_functional_call_with_the_fp32_state_dict_matches_fp32_bitwise(level):
     x = torch.randn(5, 4)
     got = torch.func.functional_call(model, model.state_dict(), (x,))
     assert got.dtype is torch.float32
+    if level == "O2":  # the state_dict is the model's own fp32 weights: the same half compute as model(x)
+        assert torch.equal(got, model(x)) and next(model.parameters()).dtype is torch.float32
+        return
     want = ref.state_dict()  # O2: the fp32 masters; O3 (no masters): fp32 copies of the bf16 weights
     want = want if level == "O2" else {k: v.bfloat16().float() for k, v in want.items()}
     assert torch.equal(got, torch.func.functional_call(ref, want, (x,)))
     assert model(x).dtype is torch.float32 and next(model.parameters()).dtype is torch.bfloat16
 
 
-def test_torch_func_grad_through_functional_call_matches_fp32_bitwise():
-    ref, model = _models()
+def test_torch_func_grad_through_functional_call_matches_the_models_own_grads_bitwise():
+    """O2: grads of the fp32 weights through their half compute copies, as autograd gives the model's params."""
+    _, model = _models()
     x = torch.randn(5, 4)
-
-    def grads(m):
-        return torch.func.grad(lambda p: torch.func.functional_call(m, p, (x,)).sum())(dict(m.state_dict()))
-
-    got, want = grads(model), grads(ref)
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    got = torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).sum())(dict(model.state_dict()))
+    model(x).sum().backward()
+    want = dict(model.named_parameters())
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k].grad) for k in want)
+    assert all(g.dtype is torch.float32 for g in got.values())
 
 
 def test_functional_call_with_half_weights_runs_in_half():
@@ -50,7 +55,7 @@ def test_functional_call_with_half_weights_runs_in_half():
 
 @pytest.mark.parametrize("how", ["data", "functional_call"])
 def test_a_param_given_another_dtype_is_refused_at_the_forward(how):
-    _, model = _models()
+    _, model = _models("O3")  # (O2: an fp32 value is what every param holds; see test_o2_weight_ownership.py)
     x = torch.randn(5, 4)
     with pytest.raises(amp_patch.UsageError, match=r"'2\.bias' .* torch\.float32 .* torch\.bfloat16.*\.to\("):
         if how == "data":

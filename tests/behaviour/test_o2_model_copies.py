@@ -5,8 +5,11 @@
   touches the original's fp32 masters.
 * ``torch.save(model)`` / ``pickle.dumps(model)`` during a session work (the hooks are picklable objects);
   the loaded model is such a copy.
-* ``model.float()`` after initialize: the input cast follows the weights' dtype. A module added after
+* ``model.float()`` after initialize (O3): the input cast follows the weights' dtype. A module added after
   initialize in another dtype (a new fp32 head) is refused at the forward, naming the fix.
+* O2: the model's params are fp32 (the masters) and the forward runs on half compute copies, so a copy or a
+  pickle holds the fp32 weights and runs in fp32 (its hooks are inert), ``model.float()`` changes nothing, and a
+  new fp32 head gets compute copies like the rest.
 """
 import copy
 import io
@@ -15,6 +18,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+from tests_support import compute_dtypes
 
 import amp_patch
 from amp_patch.errors import UsageError
@@ -118,14 +122,29 @@ def test_model_can_be_saved_whole_during_a_session(level, how):
         buf.seek(0)
         loaded = torch.load(buf, weights_only=False)
     model.eval(), loaded.eval()
-    assert torch.equal(loaded(x), model(x))  # same weights, same casts
+    if level == "O2":  # the fp32 weights, in a plain model: runs as fp32 (as after deinitialize)
+        reference = Net().eval()
+        reference.load_state_dict(model.state_dict())
+        assert torch.equal(loaded(x), reference(x))
+    else:
+        assert torch.equal(loaded(x), model(x))  # same weights, same casts
     for (name, p), q in zip(loaded.named_parameters(), model.parameters()):
         assert p.dtype == q.dtype and torch.equal(p, q), name
         assert loaded.state_dict()[name].data_ptr() == p.data_ptr()  # its own state_dict
 
 
-@pytest.mark.parametrize("level", CAST_LEVELS)
-def test_model_float_after_initialize_runs_in_fp32_and_trains(level):
+def test_model_float_under_o2_changes_nothing():
+    model, opt = _session("O2")
+    x, y = _data(1)[0]
+    _step(model, opt, x, y)
+    model.eval()
+    before = model(x)
+    model.float()  # the params already are fp32
+    assert torch.equal(model(x), before) and compute_dtypes(model, x)["lin.weight"] is HALF
+
+
+def test_model_float_after_initialize_runs_in_fp32_and_trains():
+    level = "O3"
     model, opt = _session(level)
     x, y = _data(1)[0]
     _step(model, opt, x, y)
@@ -140,9 +159,16 @@ def test_model_float_after_initialize_runs_in_fp32_and_trains(level):
     assert all(p.dtype is torch.float32 for p in model.parameters())
 
 
-@pytest.mark.parametrize("level", CAST_LEVELS)
-def test_a_new_fp32_head_is_refused_naming_the_fix(level):
-    model, opt = _session(level)
+def test_a_new_fp32_head_under_o2_gets_compute_copies():
+    model, opt = _session("O2")
+    model.head = torch.nn.Linear(6, 3)
+    x = torch.randn(5, 4)
+    assert compute_dtypes(model, x)["head.weight"] is HALF and model(x).shape == (5, 3)
+    assert model.head.weight.dtype is torch.float32
+
+
+def test_a_new_fp32_head_is_refused_naming_the_fix():
+    model, opt = _session("O3")
     model.head = torch.nn.Linear(6, 3)
     x = torch.randn(5, 4)
     with pytest.raises(UsageError, match=r"'head.weight'.*torch.float32.*bfloat16.*model.head.to\(torch.bfloat16\)"):

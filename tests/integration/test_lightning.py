@@ -50,12 +50,13 @@ class Tiny(L.LightningModule):
         self.inject, self.lr, self.momentum = set(inject), lr, momentum
         self.losses, self.dtypes, self.param_dtypes, self.steps = [], set(), set(), []
         self.net[0].register_forward_hook(lambda m, a, out: self.dtypes.add(out.dtype))
+        # the weight the forward runs on (O2: a half compute copy of the fp32 param, inside the call only)
+        self.net[0].register_forward_pre_hook(lambda m, a: self.param_dtypes.add(m.weight.dtype))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = F.mse_loss(self.net(x).float(), y.float())
         self.losses.append(loss.item())
-        self.param_dtypes.add(self.net[0].weight.dtype)
         self.log("train_loss", loss)
         return loss * math.inf if batch_idx in self.inject else loss
 
@@ -369,7 +370,7 @@ def test_ddp_two_processes_stay_identical_with_an_inf_on_one_rank(tmp_path, loop
         for key, value in ranks[0][part].items():
             assert torch.equal(value, ranks[1][part][key]), (part, key)
     end, half = (next(iter(ranks[0][part].values())) for part in ("end", "half"))
-    assert end.dtype == torch.float32 and half.dtype == (torch.float16 if level == "O2" else torch.float32)
+    assert end.dtype == torch.float32 and half.dtype == torch.float32  # (O2: the model's params are the masters)
     assert ranks[0]["records"] == ranks[1]["records"]
     steps = [(skipped, scale) for batch, skipped, scale in ranks[0]["records"] if batch % 2 == 1]
     assert steps == [(False, 2.0 ** 12), (True, 2.0 ** 11), (False, 2.0 ** 11), (False, 2.0 ** 11)]
@@ -435,8 +436,8 @@ def test_fabric_two_optimizers_attached_at_different_scales():
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 def test_fabric_backward_keeps_grads_scaled_inside_ddp_no_sync(tmp_path):
     """What Fabric does under DDP with fabric.no_backward_sync(model) and fabric.backward(loss, model=model)
-    (1-rank gloo group, plugin methods called as Fabric calls them): O2 must leave the micro-batch grads in the
-    half params for DDP to reduce, and unscale the sum into the masters at the synced backward."""
+    (1-rank gloo group, plugin methods called as Fabric calls them): O2 must leave the micro-batch grads scaled in
+    the params for DDP to reduce, and unscale the sum at the synced backward."""
     torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(str(tmp_path / "s"), 1),
                                          rank=0, world_size=1)
     plugin = AmpPatchFabricPrecision("O2", **FP16)
@@ -453,11 +454,12 @@ def test_fabric_backward_keeps_grads_scaled_inside_ddp_no_sync(tmp_path):
         x, y = X[:8] * 0.1, Y[:8] * 0.1
         with ddp.no_sync():
             plugin.backward(F.mse_loss(ddp(x).float(), y), ddp)
-        assert model.weight.grad is not None and master.grad is None  # still scaled, in the half param
+        assert master is model.weight  # (O2: the fp32 param is the master)
+        scaled = model.weight.grad.clone()  # still scaled, in the param
         plugin.backward(F.mse_loss(ddp(x).float(), y), ddp)
-        assert model.weight.grad is None
         (2 * F.mse_loss(x @ ref.t(), y)).backward()
         torch.testing.assert_close(master.grad, ref.grad, rtol=1e-2, atol=1e-4)  # the 2 micro-batches, unscaled
+        assert scaled.norm() > 100 * master.grad.norm()  # (the first was left scaled by the loss scale)
     finally:
         plugin.teardown()
         del ddp  # DDP's reducer must go before its process group: freed after it, gloo's destructor can hang

@@ -278,8 +278,9 @@ LEVEL_CASES = ([(case, "O2", BF16) for case in O2_CASES] + [(case, "O2", FP16) f
 @pytest.mark.parametrize("case,opt_level,half", LEVEL_CASES,
                          ids=[f"{c[0].__name__}-{lvl}-{str(h)[6:]}" for c, lvl, h in LEVEL_CASES])
 def test_under_initialize_they_update_the_fp32_params_by_the_formulas(case, opt_level, half):
-    """O2 puts fp32 masters in the optimizer: each step must apply the reference rule to the masters' (unscaled)
-    grads, and the half model must hold the masters rounded. O1 keeps the fp32 model params in the optimizer.
+    """O2's fp32 params are the masters (amp_patch's own API; the apex alias keeps Apex's two-copy layout, see
+    test_apex_*): each step must apply the reference rule to their (unscaled) grads, and the forward runs on them
+    rounded to half. O1 keeps the fp32 model params in the optimizer.
     (fp16: a static scale of 128, so no step is skipped and every recorded grad was applied.)"""
     cls, kw = case
     torch.manual_seed(0)
@@ -307,8 +308,7 @@ def test_under_initialize_they_update_the_fp32_params_by_the_formulas(case, opt_
     assert max(_rel(m.detach(), r) for m, r in zip(masters, ref)) <= TOL
     model_params = list(model.parameters())
     if opt_level == "O2":
-        assert all(p.dtype == half for p in model_params)
-        assert all(torch.equal(p.detach(), m.detach().to(half)) for p, m in zip(model_params, masters))
+        assert all(p is m for p, m in zip(model_params, masters))  # one owner
         assert set(v.dtype for s in opt.state.values() for v in s.values() if torch.is_tensor(v)) == {torch.float32}
     assert losses[-1] < losses[0]
 

@@ -13,16 +13,26 @@ in-place edit and ``deepcopy`` sees the one value there is; nothing is kept in s
 
 Params of modules kept fp32 (``keep_batchnorm_fp32``, ``keep_fp32_modules``) are not copied. Modules added after
 initialize get copies from their next call on (the registration watch re-collects the slots). An RNN's
-``_flat_weights`` are rebuilt around the swap. The slots are shared with :class:`~.transform.WeightSlots`, so
+``_flat_weights`` are rebuilt around the swap. An in-place edit of a copy during the call (``nn.Embedding``'s
+``max_norm``, a forward pre-hook clamping weights) is written back into the fp32 param when the call ends (edits
+through ``.data`` bypass the version counter and stay on the copy: edit the params between steps). Calls of one
+model from several threads take turns: one thread's call holds the copies until it returns.
+The slots are shared with :class:`~.transform.WeightSlots`, so
 the input cast follows the weights the forward uses (a deepcopy of the model, whose hooks are inert, runs in
 fp32 on fp32 inputs).
 """
+import threading
+
 import torch
 from torch.nn.modules import module as _module_mod
 
 from ..casting.interop.modules import FAST_PATH_TYPES, forward_pre_hook
 from ..config.dtypes import FLOAT_DTYPES
+from ..errors import UsageError
 from .transform import SessionHook
+
+#: How long a call from a second thread waits for another thread's call of the same O2 model to end.
+THREAD_WAIT_S = 60.0
 
 
 class _Install(SessionHook):
@@ -61,7 +71,9 @@ class ComputeCopies:
         self.slots = slots
         self.generation = None
         self.depth = 0
-        self.swapped = []  # (module, name, fp32 param, half copy) of the call in progress
+        self.swapped = []  # (module, name, fp32 param, half copy, its version) of the call in progress
+        self.turn = threading.Condition()  # one thread's call at a time holds the copies (see install)
+        self.thread = None  # the thread whose call holds them
         self.handles = []
 
     def attach(self):
@@ -100,10 +112,27 @@ class ComputeCopies:
         self.generation = self.watch.generation
 
     def install(self, called=None):
-        """A call of ``called`` (the model, or a module owning cast params) starts: the outermost one swaps."""
-        self.depth += 1
-        if self.depth > 1:
-            return
+        """A call of ``called`` (the model, or a module owning cast params) starts: the outermost one swaps.
+        A call from another thread waits until this thread's call has put the fp32 params back."""
+        me = threading.get_ident()
+        with self.turn:
+            if self.thread not in (None, me):
+                self._wait_turn(called, me)
+            self.thread = me
+            self.depth += 1
+            if self.depth == 1:
+                self._swap_in(called)
+
+    def _wait_turn(self, called, me):
+        if not self.turn.wait_for(lambda: self.thread is None, timeout=THREAD_WAIT_S):
+            raise UsageError(
+                f"{type(called).__name__}: a call of an O2 model from thread {me} waited {THREAD_WAIT_S:.0f} s for "
+                f"thread {self.thread}'s call of the same model to end. O2 puts the half compute copies into the "
+                "model for the length of one call, so calls from several threads take turns; a forward that calls "
+                "the model's modules from threads it starts and waits for cannot. Call them from the forward's "
+                "own thread, or run that model under O1.")
+
+    def _swap_in(self, called):
         if self.generation != self.watch.generation:
             self._collect()
         slots = self.slots
@@ -120,25 +149,34 @@ class ComputeCopies:
             if copy is None:
                 copy = copies[id(p)] = p.to(self.dtype)
             module._parameters[name] = copy
-            self.swapped.append((module, name, p, copy))
+            self.swapped.append((module, name, p, copy, copy._version))
             touched.add(module)
         _refresh_flat_weights(touched)
 
     def uninstall(self):
-        self.depth = max(self.depth - 1, 0)
-        if self.depth:
-            return
-        self.restore()
+        with self.turn:
+            if self.thread != threading.get_ident():  # (a call whose install raised while waiting its turn)
+                return
+            self.depth = max(self.depth - 1, 0)
+            if not self.depth:
+                self.restore()
 
     def restore(self):
-        """Put the fp32 params back (each slot still holding its copy: one the forward replaced is left)."""
-        touched = set()
-        while self.swapped:
-            module, name, param, copy = self.swapped.pop()
-            if module._parameters.get(name) is copy:
-                module._parameters[name] = param
-            touched.add(module)
-        self.depth = 0
+        """Put the fp32 params back (each slot still holding its copy: one the forward replaced is left), with
+        any in-place edit the call made to a copy (Embedding's max_norm, a hook clamping weights)."""
+        touched, written = set(), set()
+        edits = not torch.compiler.is_compiling()
+        with self.turn:
+            while self.swapped:
+                module, name, param, copy, version = self.swapped.pop()
+                if module._parameters.get(name) is copy:
+                    module._parameters[name] = param
+                if edits and copy._version != version and id(param) not in written:
+                    written.add(id(param))
+                    _write_back(param, copy)
+                touched.add(module)
+            self.depth, self.thread = 0, None
+            self.turn.notify_all()
         _refresh_flat_weights(touched)
 
     def remove(self):
@@ -147,6 +185,14 @@ class ComputeCopies:
             self.handles[-1].remove()
             self.handles.pop()
         self.restore()
+
+
+def _write_back(param, copy):
+    """An in-place edit of a compute copy during the call is the model's edit of its weight: the fp32 param takes
+    the edited values where the copy no longer holds the param's own rounding; the others stay exact."""
+    with torch.no_grad():
+        edited = copy.ne(param.to(copy.dtype))
+        param.copy_(torch.where(edited, copy.to(param.dtype), param))
 
 
 def _refresh_flat_weights(modules):

@@ -31,8 +31,45 @@ from ..config.dtypes import FLOAT_DTYPES
 from ..errors import UsageError
 from .transform import SessionHook
 
-#: How long a call from a second thread waits for another thread's call of the same O2 model to end.
+#: How long a call from a second thread waits for another thread's call of an O2 model to end.
 THREAD_WAIT_S = 60.0
+
+
+class _Turn:
+    """Which thread's calls hold compute copies: one thread at a time, across every O2 model (two models that
+    share a module would otherwise each wait for the other's thread)."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.thread = None
+        self.depth = 0  # calls of O2 models in progress in that thread
+
+    def enter(self, called):
+        me = threading.get_ident()
+        with self.cond:
+            if self.thread not in (None, me) and not self.cond.wait_for(lambda: self.thread is None,
+                                                                          timeout=THREAD_WAIT_S):
+                raise UsageError(
+                    f"{type(called).__name__}: a call of an O2 model from thread {me} waited {THREAD_WAIT_S:.0f} s "
+                    f"for thread {self.thread}'s call to end. O2 puts the half compute copies into the model for "
+                    "the length of one call, so calls from several threads take turns; a forward that calls O2 "
+                    "modules from threads it starts and waits for cannot. Call them from the forward's own "
+                    "thread, or run that model under O1.")
+            self.thread = me
+            self.depth += 1
+
+    def holds(self):
+        return self.thread == threading.get_ident()
+
+    def leave(self, calls=1):
+        with self.cond:
+            self.depth = max(self.depth - calls, 0)
+            if not self.depth:
+                self.thread = None
+                self.cond.notify_all()
+
+
+TURN = _Turn()
 
 
 class _Install(SessionHook):
@@ -72,8 +109,6 @@ class ComputeCopies:
         self.generation = None
         self.depth = 0
         self.swapped = []  # (module, name, fp32 param, half copy, its version) of the call in progress
-        self.turn = threading.Condition()  # one thread's call at a time holds the copies (see install)
-        self.thread = None  # the thread whose call holds them
         self.handles = []
 
     def attach(self):
@@ -112,25 +147,11 @@ class ComputeCopies:
         self.generation = self.watch.generation
 
     def install(self, called=None):
-        """A call of ``called`` (the model, or a module owning cast params) starts: the outermost one swaps.
-        A call from another thread waits until this thread's call has put the fp32 params back."""
-        me = threading.get_ident()
-        with self.turn:
-            if self.thread not in (None, me):
-                self._wait_turn(called, me)
-            self.thread = me
-            self.depth += 1
-            if self.depth == 1:
-                self._swap_in(called)
-
-    def _wait_turn(self, called, me):
-        if not self.turn.wait_for(lambda: self.thread is None, timeout=THREAD_WAIT_S):
-            raise UsageError(
-                f"{type(called).__name__}: a call of an O2 model from thread {me} waited {THREAD_WAIT_S:.0f} s for "
-                f"thread {self.thread}'s call of the same model to end. O2 puts the half compute copies into the "
-                "model for the length of one call, so calls from several threads take turns; a forward that calls "
-                "the model's modules from threads it starts and waits for cannot. Call them from the forward's "
-                "own thread, or run that model under O1.")
+        """A call of ``called`` (the model, or a module owning cast params) starts: the outermost one swaps."""
+        TURN.enter(called)
+        self.depth += 1
+        if self.depth == 1:
+            self._swap_in(called)
 
     def _swap_in(self, called):
         if self.generation != self.watch.generation:
@@ -154,29 +175,32 @@ class ComputeCopies:
         _refresh_flat_weights(touched)
 
     def uninstall(self):
-        with self.turn:
-            if self.thread != threading.get_ident():  # (a call whose install raised while waiting its turn)
-                return
-            self.depth = max(self.depth - 1, 0)
-            if not self.depth:
-                self.restore()
+        if not TURN.holds():  # (a call whose install raised while waiting its turn)
+            return
+        self.depth = max(self.depth - 1, 0)
+        if not self.depth:
+            self._put_back()
+        TURN.leave()
 
     def restore(self):
+        """Put back what a call left swapped and give up its turn (deinitialize after an interrupted call)."""
+        self._put_back()
+        TURN.leave(self.depth)
+        self.depth = 0
+
+    def _put_back(self):
         """Put the fp32 params back (each slot still holding its copy: one the forward replaced is left), with
         any in-place edit the call made to a copy (Embedding's max_norm, a hook clamping weights)."""
         touched, written = set(), set()
         edits = not torch.compiler.is_compiling()
-        with self.turn:
-            while self.swapped:
-                module, name, param, copy, version = self.swapped.pop()
-                if module._parameters.get(name) is copy:
-                    module._parameters[name] = param
-                if edits and copy._version != version and id(param) not in written:
-                    written.add(id(param))
-                    _write_back(param, copy)
-                touched.add(module)
-            self.depth, self.thread = 0, None
-            self.turn.notify_all()
+        while self.swapped:
+            module, name, param, copy, version = self.swapped.pop()
+            if module._parameters.get(name) is copy:
+                module._parameters[name] = param
+            if edits and copy._version != version and id(param) not in written:
+                written.add(id(param))
+                _write_back(param, copy)
+            touched.add(module)
         _refresh_flat_weights(touched)
 
     def remove(self):

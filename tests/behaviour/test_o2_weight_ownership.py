@@ -5,7 +5,8 @@ whose closure re-runs the forward at perturbed weights, a wrapper that steps an 
 construction as ZeroRedundancyOptimizer does), an AveragedModel (EMA) of the model, and a sequence of operations:
 steps (with and without clipping ``model.parameters()``), ``load_state_dict`` of the model, of a submodule and with
 ``strict=False``, ``requires_grad`` toggles with ``add_param_group``, in-place edits (WGAN clipping), deepcopies,
-``state_dict()`` checks and ``deinitialize()`` at any point. A second model shares the first one's first layer.
+``state_dict()`` checks and ``deinitialize()`` at any point, a step during which a forward pre-hook clamps a
+weight in place, a step while another thread evaluates the model. A second model shares the first one's first layer.
 
 The program runs twice: under O2 (bfloat16) and in plain fp32. After every operation the two runs' values agree:
 values that no step changed since they were last set exactly (loaded, frozen, never trained, edited the same way)
@@ -22,6 +23,7 @@ optimizer whose state is already fp32.
 import copy
 import logging
 import random
+import threading
 
 import pytest
 import torch
@@ -36,7 +38,7 @@ PROGRAMS = 40
 # torch.autocast(bfloat16) (about 50% of one step's travel from the fp32 run, in program 7)
 TOLERANCE = {"sgd": 0.15, "adam": 0.15, "sam": 0.15, "wrapper": 0.15, "lbfgs": 0.6}
 OPS = ("step", "step", "step", "step_clip", "load_model", "load_sub", "load_partial", "freeze_toggle",
-       "add_group", "edit", "deepcopy", "state_dict", "ema")
+       "add_group", "edit", "deepcopy", "state_dict", "ema", "step_constrained", "step_beside_eval_thread")
 
 
 class Wrapper(torch.optim.Optimizer):
@@ -70,15 +72,14 @@ class SAM(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                e = p.grad * (group["rho"] / norm)
-                p.add_(e)
-                self.state[p]["e"] = e
+                self.state[p]["old_p"] = p.data.clone()
+                p.add_(p.grad * (group["rho"] / norm))
         with torch.enable_grad():
             closure()
         for group in self.param_groups:
             for p in group["params"]:
-                if "e" in self.state[p]:
-                    p.sub_(self.state[p].pop("e"))
+                if "old_p" in self.state[p]:
+                    p.data = self.state[p].pop("old_p")  # davda54/sam's second_step: back exactly
         self.base.step()
 
 
@@ -99,6 +100,18 @@ def _optimizer(kind, params):
     if kind == "sam":
         return SAM(params, lr=0.1)
     return Wrapper(params, lr=0.1)
+
+
+def _constrain(module, args):
+    with torch.no_grad():
+        module.weight.clamp_(-0.2, 0.2)
+
+
+def _evaluate(model, stop):
+    x = torch.randn(3, 4)
+    while not stop.is_set():
+        with torch.no_grad():
+            model(x)
 
 
 class Run:
@@ -165,6 +178,21 @@ class Run:
             self.added = True
             self.model[2].bias.requires_grad_(True)
             self.opt.add_param_group({"params": [self.model[2].bias]})
+        elif op == "step_constrained":  # a forward pre-hook edits a weight in place during the call
+            handle = self.model[2].register_forward_pre_hook(_constrain)
+            try:
+                self.step()
+            finally:
+                handle.remove()
+        elif op == "step_beside_eval_thread":  # another thread evaluates the model during the step
+            stop = threading.Event()
+            thread = threading.Thread(target=_evaluate, args=(self.model, stop))
+            thread.start()
+            try:
+                self.step()
+            finally:
+                stop.set()
+                thread.join()
         elif op == "edit":
             for p in self.model.parameters():
                 p.data.clamp_(-0.3, 0.3)

@@ -179,9 +179,9 @@ def test_state_mib_counts_weights_grads_and_optimizer_state_once_each():
     fp32_bytes = params * 4 * 2  # weights and grads
     assert v["fp32"]["state_mib"] * 2 ** 20 == fp32_bytes
     assert v["O1"]["state_mib"] == v["fp32"]["state_mib"]  # O1 keeps fp32 weights: its casts are transient
-    # O2 as step() begins: half model weights (2 bytes) and fp32 masters with their grads (4 + 4); the half grads
-    # went into the masters' grads when scale_loss exited
-    assert v["O2"]["state_mib"] * 2 ** 20 == params * (2 + 4 + 4)
+    # O2 as step() begins: the fp32 params, the only weights, with their fp32 grads (4 + 4); the half compute
+    # copies lived for the forward only
+    assert v["O2"]["state_mib"] * 2 ** 20 == params * (4 + 4)
     text = markdown(report)
     assert "| state MiB |" in text and "State MiB: weights + grads + optimizer state" in text
 

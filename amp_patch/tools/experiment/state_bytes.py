@@ -1,5 +1,5 @@
-"""The bytes a variant keeps for training: weights, gradients and optimizer state (O2's fp32 masters and the
-remainder masters' int16 halves included), counted from tensor storages, each storage once.
+"""The bytes a variant keeps for training: weights, gradients and optimizer state (masters kept beside the
+weights, as remainder masters' int16 halves, included), counted from tensor storages, each storage once.
 
 Process RSS growth mixes these with the allocator, caches and libraries; this count is what opt levels and master
 storages actually change (an fp32 weight 4 bytes, a float16 one 2, its fp32 master 4 more).

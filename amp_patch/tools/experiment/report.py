@@ -147,8 +147,8 @@ def _notes(report):
             "native's): below 1.00x is faster. It is taken round by round, and *n.s.* marks one whose min-max "
             f"includes 1.00x or that has fewer than {MIN_ROUNDS} rounds (not significant). Rows after fp32 go "
             f"fastest first, in the verdict's order. Peak memory: {'; '.join(kinds) or 'n/a'} (+ its growth "
-            "during the run). State MiB: weights + grads + optimizer state (masters kept beside the weights included), from "
-            "the tensors' storages, each counted once. Casts/iter: aten._to_copy calls in one "
+            "during the run). State MiB: weights + grads + optimizer state (masters kept beside the weights "
+            "included), from the tensors' storages, each counted once. Casts/iter: aten._to_copy calls in one "
             "forward+backward+step.")
 
 

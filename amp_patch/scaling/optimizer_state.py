@@ -21,7 +21,6 @@ optimizer's own grads: the half model grads under master weights and the pending
 batch ``zero_grad()`` forgets it exactly as it would without amp_patch.
 """
 import threading
-import weakref
 
 import torch
 
@@ -30,12 +29,13 @@ from ..errors import UsageError
 from ..model.transform import carry_edits
 from ..parallel import ddp as distributed
 from . import unscaled
+from .foreign_grads import ForeignGrads
 from .remainder import Fp32Masters
 from .state_casts import cast_state_to_params, uncast_state
 from .unscale import unscale_
 
 
-class OptimizerState:
+class OptimizerState(ForeignGrads):
     """What amp_patch tracks for one optimizer passed to ``initialize``."""
 
     def __init__(self, optimizer, *, master_weights, fp32_data=None, storage=None, attach=True,
@@ -250,36 +250,6 @@ class OptimizerState:
         each other's scale_loss (their grads are their own thread's backward's, not a foreign loss's)."""
         return not self.threads or ident in self.threads
 
-    def grad_snapshot(self):
-        """{id(param): (weakref to grad, version)} of every param backward may write (no tensor math, and no
-        reference that would keep a cleared grad alive)."""
-        return {id(p): _grad_key(p.grad) for p in self._grad_params() if p.grad is not None}
-
-    def note_foreign(self, snapshot, loss_id):
-        """After a scale_loss that did not name this optimizer: remember the grads its backward wrote (not those
-        a scale_loss naming it wrote since: ``own_exit``, taken when such a block nested inside this one exits)."""
-        if not self.used_by(threading.get_ident()):  # claimed by another thread since the snapshot
-            return
-        own = self.own_exit or {}
-        touched = [(id(p), _grad_key(p.grad)) for p in self._grad_params() if p.grad is not None
-                   and not _same(snapshot.get(id(p)), p.grad) and not _same(own.get(id(p)), p.grad)]
-        if touched:
-            self.foreign = (loss_id, dict(touched))
-
-    def check_foreign(self, where):
-        """Refuse to use grads that another loss's scale_loss left multiplied by its loss scale."""
-        if self.foreign is None:
-            return
-        loss_id, touched = self.foreign
-        if not any(_same(touched.get(id(p)), p.grad) for p in self._grad_params() if p.grad is not None):
-            self.foreign = None
-            return
-        name = type(self.optimizer).__name__
-        raise UsageError(f"{where}: this {name} optimizer's grads were written by the backward of "
-                         f"scale_loss(loss, ..., loss_id={loss_id}), which did not name it, so they are still "
-                         f"multiplied by the loss scale. Pass this optimizer to that scale_loss call "
-                         f"(scale_loss(loss, [opt1, opt2])), or clear its grads (optimizer.zero_grad()) first.")
-
     def note_update(self, scaler, memento, found_inf):
         """``scaler`` was updated for this optimizer's coming step; ``memento`` is its state before."""
         if found_inf:
@@ -405,15 +375,6 @@ class OptimizerState:
         model_of = {id(m): p for p, m in self.pairs}
         for group in self.optimizer.param_groups:
             group["params"] = [model_of.get(id(p), p) for p in group["params"]]
-
-
-def _grad_key(grad):
-    return weakref.ref(grad), grad._version
-
-
-def _same(key, grad):
-    """Is ``grad`` the very tensor ``key`` recorded, unchanged since?"""
-    return key is not None and grad is not None and key[0]() is grad and key[1] == grad._version
 
 
 def _rescale(grads, factor):

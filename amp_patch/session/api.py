@@ -33,6 +33,7 @@ from .checks import (  # noqa: F401
     _check_the_rest,
     _make_scalers,
     _pack,
+    check_no_nested_models,
     check_no_shared_params,
 )
 from .session import Session
@@ -70,6 +71,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                     loss_scale=loss_scale, cast_model_outputs=cast_model_outputs, master_rounding=master_rounding)
     props, fsdp_groups, unsharded = distributed.check_fsdp_at_initialize(model_list, props, master_weights)
     props = _weight_layout(props)
+    check_no_nested_models(props, model_list)
     # every argument is checked before anything is touched: a ConfigError leaves the models as they were
     _check_optimizers_train_models(props, model_list, opt_list)
     check_no_shared_params(props, opt_list, model_list)

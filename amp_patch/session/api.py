@@ -35,6 +35,7 @@ from .checks import (  # noqa: F401
     _pack,
     check_no_nested_models,
     check_no_shared_params,
+    check_step_hooks,
 )
 from .session import Session
 from .user_functions import REGISTRY
@@ -63,6 +64,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     if not enabled:
         _state.activate(Session(enabled=False))
         return _pack(models, optimizers)
+    check_step_hooks(opt_list)
     _check_models(model_list)
     _check_incoming_fp32(model_list, allow_incoming_model_not_fp32)
     props = resolve(opt_level, half_dtype=half_dtype, keep_fp32_modules=keep_fp32_modules,

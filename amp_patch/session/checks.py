@@ -105,6 +105,20 @@ def _as_list(objs, what, kind):
 
 
 
+def check_step_hooks(optimizers):
+    """amp_patch unscales and skips steps through torch's step hooks, which ``Optimizer.__init__`` sets up."""
+    for index, opt in enumerate(optimizers):
+        if hasattr(opt, "_optimizer_step_pre_hooks") and hasattr(opt, "_optimizer_step_post_hooks"):
+            continue
+        name = type(opt).__name__
+        raise ConfigError(
+            f"optimizers[{index}] ({name}) is a torch.optim.Optimizer subclass whose __init__ did not call "
+            "Optimizer.__init__, so it has none of torch's step hooks (_optimizer_step_pre_hooks), which amp_patch "
+            "uses to unscale the grads and skip overflowed steps. Fix: call super().__init__(params, defaults) in "
+            f"{name}.__init__ (a wrapper: super().__init__(inner.param_groups, inner.defaults) first), or pass "
+            f"the inner optimizer it wraps to amp_patch.initialize instead (and build the {name} over it after)")
+
+
 def _pack(models, optimizers):
     return models if optimizers is None else (models, optimizers)
 

@@ -11,7 +11,7 @@ from ..config.dtypes import HALF_DTYPES
 from ..config.opt_levels import resolve
 from ..errors import ConfigError
 from ..model.compute_copies import ComputeCopies
-from ..model.transform import CallOnForward, ModelPatch
+from ..model.transform import CallOnForward, ModelPatch, SparseEmbedding
 from ..observe.overflow import OverflowDiagnoser, StepHistory
 from ..observe.trace import Tracer
 from ..parallel import ddp as distributed
@@ -178,11 +178,13 @@ def _prepare_models(session, models):
     keep = props.keep_fp32_modules
     if props.keep_batchnorm_fp32:
         keep = keep + (torch.nn.modules.batchnorm._BatchNorm,)
+    copies = props.master_storage == "model"
+    if copies:  # (a sparse grad cannot flow back through a compute copy)
+        keep = keep + (SparseEmbedding,)
     for model in models:
         patch = ModelPatch(model)
         session.model_patches.append(patch)
         session.undo.append(lambda patch=patch: patch.restore(_restore_values(session, patch)))
-        copies = props.master_storage == "model"
         fp32_data.update(patch.cast(props.cast_model_type, keep, params=not copies))
         patch.cast_io(props.cast_model_type, props.cast_model_outputs or torch.float32, keep,
                       compute_copies=ComputeCopies if copies else None)

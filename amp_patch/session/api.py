@@ -21,7 +21,7 @@ from ..scaling.optimizer_state import OptimizerState
 from ..scaling.protocol import check_idle_elsewhere
 from ..scaling.remainder import make_storage
 from ..scaling.scaler import load_state_dict_into, state_dict_for
-from . import data_loading
+from . import clip_check, data_loading
 from . import state as _state
 from .checks import (  # noqa: F401
     _as_list,
@@ -114,6 +114,7 @@ def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_
         session.fp32_data = fp32_data  # masters; until then the model's state_dict()/load_state_dict() use these
     _attach_optimizers(session, opt_list, fp32_data)
     _guard_zero_grad(session)
+    _warn_clipping_model_params(session)
     _link_masters(session)
     session.scalers = scalers
     _install_casting(session, table, allow_banned)
@@ -167,6 +168,13 @@ def _guard_zero_grad(session):
         if state.pairs and type(state.optimizer).zero_grad is not torch.optim.Optimizer.zero_grad:
             log.warning("%s overrides zero_grad(); after a failed batch also call model.zero_grad() "
                         "to clear the half model grads", type(state.optimizer).__name__)
+
+
+def _warn_clipping_model_params(session):
+    """Two-copy O2: ``clip_grad_norm_(model.parameters())`` clips nothing; warned once (session/clip_check.py)."""
+    patcher = Patcher()
+    session.undo.append(patcher.restore_all)  # first: an interrupt right after install leaves nothing behind
+    clip_check.install(session, patcher)
 
 
 def _prepare_models(session, models):

@@ -22,6 +22,21 @@ from ..errors import UsageError
 _BATCHNORM = (torch.nn.modules.batchnorm._BatchNorm,)
 
 
+class _SparseGradType(type):
+    def __instancecheck__(cls, module):
+        return isinstance(module, _EMBEDDINGS) and bool(getattr(module, "sparse", False))
+
+
+_EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+
+
+class SparseEmbedding(metaclass=_SparseGradType):
+    """``isinstance(m, SparseEmbedding)``: an ``Embedding``/``EmbeddingBag`` with ``sparse=True``. O2's compute copies
+    keep it fp32 (a keep type): torch cannot carry a sparse grad back through ``weight.to(half)`` (``to()``'s
+    backward refuses the layout change), so its weight stays the fp32 param and its output is cast to the half
+    dtype, the same values as a lookup in the half-rounded weight."""
+
+
 def _caster(dtype):
     """Cast floating tensors (fp64 excepted unless dtype is fp64) to ``dtype``."""
 

@@ -11,7 +11,7 @@ from ..config.dtypes import HALF_DTYPES
 from ..config.opt_levels import resolve
 from ..errors import ConfigError
 from ..model.compute_copies import ComputeCopies
-from ..model.transform import CallOnForward, ModelPatch
+from ..model.transform import CallOnForward, ModelPatch, SparseEmbedding
 from ..observe.overflow import OverflowDiagnoser, StepHistory
 from ..observe.trace import Tracer
 from ..parallel import ddp as distributed
@@ -21,7 +21,7 @@ from ..scaling.optimizer_state import OptimizerState
 from ..scaling.protocol import check_idle_elsewhere
 from ..scaling.remainder import make_storage
 from ..scaling.scaler import load_state_dict_into, state_dict_for
-from . import data_loading
+from . import clip_check, data_loading
 from . import state as _state
 from .checks import (  # noqa: F401
     _as_list,
@@ -33,7 +33,9 @@ from .checks import (  # noqa: F401
     _check_the_rest,
     _make_scalers,
     _pack,
+    check_no_nested_models,
     check_no_shared_params,
+    check_step_hooks,
 )
 from .session import Session
 from .user_functions import REGISTRY
@@ -62,6 +64,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     if not enabled:
         _state.activate(Session(enabled=False))
         return _pack(models, optimizers)
+    check_step_hooks(opt_list)
     _check_models(model_list)
     _check_incoming_fp32(model_list, allow_incoming_model_not_fp32)
     props = resolve(opt_level, half_dtype=half_dtype, keep_fp32_modules=keep_fp32_modules,
@@ -70,6 +73,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                     loss_scale=loss_scale, cast_model_outputs=cast_model_outputs, master_rounding=master_rounding)
     props, fsdp_groups, unsharded = distributed.check_fsdp_at_initialize(model_list, props, master_weights)
     props = _weight_layout(props)
+    check_no_nested_models(props, model_list)
     # every argument is checked before anything is touched: a ConfigError leaves the models as they were
     _check_optimizers_train_models(props, model_list, opt_list)
     check_no_shared_params(props, opt_list, model_list)
@@ -110,6 +114,7 @@ def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_
         session.fp32_data = fp32_data  # masters; until then the model's state_dict()/load_state_dict() use these
     _attach_optimizers(session, opt_list, fp32_data)
     _guard_zero_grad(session)
+    _warn_clipping_model_params(session)
     _link_masters(session)
     session.scalers = scalers
     _install_casting(session, table, allow_banned)
@@ -165,6 +170,13 @@ def _guard_zero_grad(session):
                         "to clear the half model grads", type(state.optimizer).__name__)
 
 
+def _warn_clipping_model_params(session):
+    """Two-copy O2: ``clip_grad_norm_(model.parameters())`` clips nothing; warned once (session/clip_check.py)."""
+    patcher = Patcher()
+    session.undo.append(patcher.restore_all)  # first: an interrupt right after install leaves nothing behind
+    clip_check.install(session, patcher)
+
+
 def _prepare_models(session, models):
     """Cast models (O0/O2/O3) and their inputs/outputs; returns the fp32 data of params cast to half."""
     props = session.props
@@ -174,11 +186,13 @@ def _prepare_models(session, models):
     keep = props.keep_fp32_modules
     if props.keep_batchnorm_fp32:
         keep = keep + (torch.nn.modules.batchnorm._BatchNorm,)
+    copies = props.master_storage == "model"
+    if copies:  # (a sparse grad cannot flow back through a compute copy)
+        keep = keep + (SparseEmbedding,)
     for model in models:
         patch = ModelPatch(model)
         session.model_patches.append(patch)
         session.undo.append(lambda patch=patch: patch.restore(_restore_values(session, patch)))
-        copies = props.master_storage == "model"
         fp32_data.update(patch.cast(props.cast_model_type, keep, params=not copies))
         patch.cast_io(props.cast_model_type, props.cast_model_outputs or torch.float32, keep,
                       compute_copies=ComputeCopies if copies else None)

@@ -48,6 +48,24 @@ def _check_optimizers_train_models(props, models, optimizers):
 
 
 
+def check_no_nested_models(props, models):
+    """O2/O3 give each model passed its own input and output casts: a model passed with one of its own
+    submodules would hand the inner one's fp32 outputs to the outer one's half layers."""
+    if props.cast_model_type not in HALF_DTYPES:
+        return
+    for outer, model in enumerate(models):
+        members = {id(m) for m in model.modules() if m is not model}
+        for inner, other in enumerate(models):
+            if id(other) in members:
+                raise ConfigError(
+                    f"models[{inner}] ({type(other).__name__}) is a submodule of models[{outer}] "
+                    f"({type(model).__name__}); under opt_level={props.opt_level!r} each model passed to initialize "
+                    "gets its own input and output casts, so the inner one's fp32 outputs would reach the outer "
+                    "one's half layers. Allowed: models none of which contains another. Fix: pass only the outer "
+                    f"model (models[{outer}]): its submodules are cast with it (call models[{inner}] on its own "
+                    "with inputs in the half dtype, or through the outer model)")
+
+
 def _held(opt):
     return [p for g in opt.param_groups for p in g["params"]]
 
@@ -85,6 +103,20 @@ def _as_list(objs, what, kind):
         raise ConfigError(f"the same object appears twice in {what}; pass each once")
     return items
 
+
+
+def check_step_hooks(optimizers):
+    """amp_patch unscales and skips steps through torch's step hooks, which ``Optimizer.__init__`` sets up."""
+    for index, opt in enumerate(optimizers):
+        if hasattr(opt, "_optimizer_step_pre_hooks") and hasattr(opt, "_optimizer_step_post_hooks"):
+            continue
+        name = type(opt).__name__
+        raise ConfigError(
+            f"optimizers[{index}] ({name}) is a torch.optim.Optimizer subclass whose __init__ did not call "
+            "Optimizer.__init__, so it has none of torch's step hooks (_optimizer_step_pre_hooks), which amp_patch "
+            "uses to unscale the grads and skip overflowed steps. Fix: call super().__init__(params, defaults) in "
+            f"{name}.__init__ (a wrapper: super().__init__(inner.param_groups, inner.defaults) first), or pass "
+            f"the inner optimizer it wraps to amp_patch.initialize instead (and build the {name} over it after)")
 
 
 def _pack(models, optimizers):

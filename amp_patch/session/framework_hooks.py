@@ -15,7 +15,7 @@ from ..errors import UsageError
 from ..parallel import ddp as distributed
 from ..scaling.protocol import _finish_step, _quiet
 from .api import _as_list, _attach_optimizers, _link_masters
-from .checks import _held, check_no_shared_params
+from .checks import _held, check_no_shared_params, check_step_hooks
 from .state import current_session
 
 
@@ -33,6 +33,7 @@ def attach_optimizers(optimizers, *, unscale_loss_id=None):
     opt_list = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
     if not session.enabled:
         return optimizers
+    check_step_hooks(opt_list)
     for opt in opt_list:
         if id(opt) in session.opt_states:
             raise UsageError(f"this {type(opt).__name__} optimizer is already attached to the amp_patch session; "

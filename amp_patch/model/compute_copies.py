@@ -45,6 +45,8 @@ class _Turn:
         self.depth = 0  # calls of O2 models in progress in that thread
 
     def enter(self, called):
+        if torch.compiler.is_compiling():  # (dynamo traces the hooks: the compiled call runs in one thread's call)
+            return
         me = threading.get_ident()
         with self.cond:
             if self.thread not in (None, me) and not self.cond.wait_for(lambda: self.thread is None,
@@ -59,9 +61,11 @@ class _Turn:
             self.depth += 1
 
     def holds(self):
-        return self.thread == threading.get_ident()
+        return torch.compiler.is_compiling() or self.thread == threading.get_ident()
 
     def leave(self, calls=1):
+        if torch.compiler.is_compiling():
+            return
         with self.cond:
             self.depth = max(self.depth - calls, 0)
             if not self.depth:
@@ -162,6 +166,7 @@ class ComputeCopies:
             slots = [(m, n) for m, n in slots if id(m) in members]
         copies = {}  # id(param) -> its copy: a tied param is cast once
         touched = set()
+        versions = not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled())
         for module, name in slots:
             p = module._parameters.get(name)
             if p is None or p.dtype is self.dtype or p.dtype not in FLOAT_DTYPES:
@@ -170,7 +175,7 @@ class ComputeCopies:
             if copy is None:
                 copy = copies[id(p)] = p.to(self.dtype)
             module._parameters[name] = copy
-            self.swapped.append((module, name, p, copy, copy._version))
+            self.swapped.append((module, name, p, copy, copy._version if versions else None))
             touched.add(module)
         _refresh_flat_weights(touched)
 
@@ -192,12 +197,11 @@ class ComputeCopies:
         """Put the fp32 params back (each slot still holding its copy: one the forward replaced is left), with
         any in-place edit the call made to a copy (Embedding's max_norm, a hook clamping weights)."""
         touched, written = set(), set()
-        edits = not torch.compiler.is_compiling()
         while self.swapped:
             module, name, param, copy, version = self.swapped.pop()
             if module._parameters.get(name) is copy:
                 module._parameters[name] = param
-            if edits and copy._version != version and id(param) not in written:
+            if version is not None and copy._version != version and id(param) not in written:
                 written.add(id(param))
                 _write_back(param, copy)
             touched.add(module)

@@ -55,14 +55,15 @@ def doctor(job, *, opt_level="O1", half_dtype=torch.float16, steps=40, op_lists=
     return run(job, opt_level=opt_level, half_dtype=half_dtype, steps=steps, op_lists=op_lists, out=out)
 
 
-def speed_report(job, *, opt_level="O1", half_dtype=torch.bfloat16, steps=20, device="cpu", seed=0):
+def speed_report(job, *, opt_level="O1", half_dtype=torch.bfloat16, steps=20, device="cpu", seed=0, threads=None):
     """Rank what holds ``job``'s training step back (data wait, host syncs, layer sizes, DataParallel, casts,
     optimizer, hardware), each with its measured figure and fix.
 
     See :func:`amp_patch.tools.speed.speed_report` (imported on first call: importing amp_patch stays cheap).
     """
     from .tools.speed import speed_report as run
-    return run(job, opt_level=opt_level, half_dtype=half_dtype, steps=steps, device=device, seed=seed)
+    return run(job, opt_level=opt_level, half_dtype=half_dtype, steps=steps, device=device, seed=seed,
+               threads=threads)
 
 
 __version__ = "0.1.0"

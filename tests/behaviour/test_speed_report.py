@@ -179,6 +179,13 @@ def test_without_a_job_the_cli_reports_on_the_built_in_mlp(capsys):
     captured = capsys.readouterr()
     assert status == 0, captured.err
     assert captured.out.startswith("amp-patch speed: amp_patch.tools.experiment.models:mlp, O1 bfloat16 on cpu")
+    assert ", 1 threads" in captured.out  # the built-in job runs on 1 thread, as in the experiment
+
+
+def test_threads_are_set_for_the_run_named_in_the_report_and_restored():
+    before = torch.get_num_threads()
+    report = amp_patch.speed_report("_speed_jobs:healthy", steps=STEPS, threads=1)
+    assert report.machine.endswith(", 1 threads") and torch.get_num_threads() == before
 
 
 def test_the_cli_refuses_a_job_it_cannot_load_with_exit_2(capsys):
@@ -207,7 +214,8 @@ def test_a_job_object_gets_fixes_that_name_a_placeholder_job(monkeypatch):
     report = amp_patch.speed_report(job, steps=STEPS)
     assert report.job == "misaligned"
     casts = next(f for f in report.findings if f.kind == "casts")
-    assert "`amp-patch experiment --job MODULE:FUNCTION --variants fp32,O1,O2`" in casts.fix
+    assert "`amp-patch experiment --job MODULE:FUNCTION --variants fp32,O1,O3`" in casts.fix
+    assert "Only O3 keeps the weights in half" in casts.fix  # O2's fp32 params are cast per call, as O1's
 
 
 @pytest.mark.parametrize("argv, says", [

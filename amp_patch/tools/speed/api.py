@@ -15,16 +15,18 @@ from .report import SpeedReport
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 
 
-def speed_report(job, *, opt_level="O1", half_dtype=torch.bfloat16, steps=20, device="cpu", seed=0):
+def speed_report(job, *, opt_level="O1", half_dtype=torch.bfloat16, steps=20, device="cpu", seed=0, threads=None):
     """Train ``job`` (a Job, a job dict/object or a ``module:function`` string: the experiment's convention)
     for ``steps`` steps under ``opt_level`` and return a :class:`SpeedReport` of the causes that hold the step
-    back, ranked by the step time they cost (see :mod:`amp_patch.tools.speed`)."""
+    back, ranked by the step time they cost (see :mod:`amp_patch.tools.speed`). ``threads`` sets
+    ``torch.set_num_threads`` for the run (restored after; None keeps torch's): the step time and the findings
+    depend on it, and the report's machine line names it."""
     if opt_level not in OPT_LEVELS:
         raise ConfigError(f"opt_level={opt_level!r}; allowed: {', '.join(OPT_LEVELS)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < MIN_STEPS:
         raise ConfigError(f"steps={steps!r}; pass an integer >= {MIN_STEPS} (warm-up, probe, plain and timed "
                           "steps)")
-    config = make_config(steps, half_dtype, device, seed)
+    config = make_config(steps, half_dtype, device, seed, threads)
     if _state.current() is not None:
         raise UsageError("an amp_patch session is active; call amp_patch.deinitialize() before speed_report "
                          "(it initializes the job's model itself)")
@@ -32,11 +34,18 @@ def speed_report(job, *, opt_level="O1", half_dtype=torch.bfloat16, steps=20, de
     loaded = load_job(job) if spec is not None else as_job(job)
     ctx = Context(job=spec or "MODULE:FUNCTION", opt_level=opt_level, half_dtype=config.half_dtype,
                   device=config.device)
-    m = Harness(loaded, spec or loaded.name, config, opt_level, watched_modules(ctx.half)).run()
+    before = torch.get_num_threads()
+    try:
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        m = Harness(loaded, spec or loaded.name, config, opt_level, watched_modules(ctx.half)).run()
+        described = machine.describe(config.device)
+    finally:
+        torch.set_num_threads(before)
     step_ms = m.step_ms()
     half_dtype = str(config.half_dtype).removeprefix("torch.")
     return SpeedReport(job=spec or loaded.name, opt_level=opt_level, half_dtype=half_dtype,
-                       device=config.device, steps=steps, step_ms=step_ms, machine=machine.describe(config.device),
+                       device=config.device, steps=steps, step_ms=step_ms, machine=described,
                        findings=findings(m, ctx), phases={p: m.phase_share(p) for p in PHASES},
                        overhead=m.overhead(), overhead_range=[min(m.overhead_units()), max(m.overhead_units())],
                        probe_overhead=statistics.median(m.probe_ms) / step_ms - 1.0)

@@ -31,9 +31,12 @@ def add_parser(subparsers):
                         help="the opt level the steps run under (default O1)")
     add_half_dtype(parser, "bfloat16", "as the experiment; see README, 'Half dtype'")
     parser.add_argument("--steps", type=int, default=20,
-                        help="training steps: 2 warm-up, 2 probe, the rest plain and timed in turn (default 20)")
+                        help="training steps: 2 warm-up, 4 probe, the rest plain and timed in turn (default 20)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads for the run (default: 1 for the built-in job on CPU, as the "
+                             "experiment; torch's own default for your job). Step times and findings depend on it")
     parser.add_argument("--json", metavar="FILE", default=None,
                         help="also write the report as JSON: {\"findings\": [{\"kind\", \"share\", \"where\", "
                              "\"figure\", \"fix\"}], \"step_ms\", \"machine\", ...}")
@@ -42,13 +45,19 @@ def add_parser(subparsers):
     return parser
 
 
+def _threads(args):
+    if args.threads is not None:
+        return args.threads
+    return 1 if args.device == "cpu" and args.job == DEFAULT_JOB else None
+
+
 def run_command(args):
     """Make the speed report for parsed ``args``; returns the exit status."""
     from .api import speed_report
     echo_half_dtype("speed", args)
     try:
         report = speed_report(args.job, opt_level=args.opt_level, half_dtype=args.half_dtype, steps=args.steps,
-                              device=args.device, seed=args.seed)
+                              device=args.device, seed=args.seed, threads=_threads(args))
     except AmpPatchError as exc:
         return error("speed", exc, args)
     except Exception as exc:  # noqa: BLE001 - the job's own code raised (else job_raised is None: re-raise)

@@ -208,9 +208,10 @@ def casts(m, ctx):
     if share < THRESHOLDS["casts"]:
         return None
     weights = m.weight_casts / m.probe_steps
-    fix = (f"O1 casts the weights again every step ({weights:g} weight casts per step): O2 keeps the model's "
-           "weights in half and casts none of them per step; compare them with `amp-patch experiment --job "
-           f"{ctx.job} --variants fp32,O1,O2`. " if ctx.opt_level == "O1" and weights else "")
+    fix = (f"{ctx.opt_level} casts each fp32 weight to half once per step ({weights:g} weight casts per step), "
+           "as native autocast does: the price of keeping fp32 weights. Only O3 keeps the weights in half and "
+           "casts none of them (no fp32 weights: check its loss against fp32 with `amp-patch experiment --job "
+           f"{ctx.job} --variants fp32,{ctx.opt_level},O3`). " if ctx.opt_level in ("O1", "O2") and weights else "")
     fix += ("For activations cast back and forth, `amp-patch trace` shows which ops cast; an op list "
             "(initialize(op_lists=...)) that keeps neighbouring ops in one category removes the round trips: "
             "measure it again with `amp-patch speed`.")

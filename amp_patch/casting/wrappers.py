@@ -8,6 +8,7 @@ switch is a truth test of a dict that is empty unless a ``disable_casts()`` regi
 cast of a weight is served from the cast cache.
 """
 import copy
+import dataclasses
 import functools
 import threading
 
@@ -45,7 +46,7 @@ _get_ident = _thread_ident if torch.torch_version.TorchVersion(torch.__version__
 
 
 def cast_tree(x, cast):
-    """Apply ``cast`` to every tensor in ``x``, looking inside lists, tuples and dicts.
+    """Apply ``cast`` to every tensor in ``x``, looking inside lists, tuples, dicts and dataclass instances.
 
     Containers keep their type: namedtuples, and dict subclasses such as HF's ModelOutput (copied, then
     updated), which Apex's O2 turned into plain dicts.
@@ -66,6 +67,9 @@ def cast_tree(x, cast):
         for k, v in x.items():
             out[k] = cast_tree(v, cast)
         return out
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):  # a model's output record
+        return dataclasses.replace(x, **{f.name: cast_tree(getattr(x, f.name), cast)
+                                         for f in dataclasses.fields(x) if f.init})
     return x
 
 
@@ -79,6 +83,9 @@ def iter_tensors(x):
     elif isinstance(x, dict):
         for v in x.values():
             yield from iter_tensors(v)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        for f in dataclasses.fields(x):
+            yield from iter_tensors(getattr(x, f.name))
 
 
 def any_caster(cast):

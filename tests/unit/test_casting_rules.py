@@ -68,6 +68,50 @@ def test_cast_tree_keeps_container_types():
     assert isinstance(out["p"], Pair) and out["p"].x.dtype is torch.float16 and out["p"].y is None
 
 
+def test_cast_tree_casts_the_fields_of_a_dataclass_output_and_keeps_its_type():
+    import dataclasses
+
+    from amp_patch.casting.wrappers import cast_tree, iter_tensors
+
+    @dataclasses.dataclass(frozen=True)
+    class Output:
+        logits: torch.Tensor
+        extras: dict
+        step: int = 0
+        cached: object = dataclasses.field(default=None, init=False)
+
+    out = cast_tree(Output(torch.ones(1), {"aux": torch.ones(1)}, step=3), lambda t: t.half())
+    assert type(out) is Output and out.step == 3
+    assert out.logits.dtype is torch.float16 and out.extras["aux"].dtype is torch.float16
+    assert len(list(iter_tensors(out))) == 2
+    assert cast_tree(Output, lambda t: t.half()) is Output  # the class itself is not a record
+
+
+def test_o2_casts_a_dataclass_output_to_fp32():
+    import dataclasses
+
+    import amp_patch
+
+    @dataclasses.dataclass
+    class Output:
+        logits: torch.Tensor
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return Output(self.lin(x))
+
+    model = Net()
+    amp_patch.initialize(model, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    try:
+        assert model(torch.randn(3, 4)).logits.dtype is torch.float32
+    finally:
+        amp_patch.deinitialize()
+
+
 def test_float_casts_both_16bit_dtypes_to_fp32(half):
     assert torch.exp(torch.randn(3).to(half)).dtype is torch.float32
     assert torch.randn(3).to(half).exp().dtype is torch.float32

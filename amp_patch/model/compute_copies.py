@@ -22,6 +22,7 @@ the input cast follows the weights the forward uses (a deepcopy of the model, wh
 fp32 on fp32 inputs).
 """
 import threading
+import time
 
 import torch
 from torch.nn.modules import module as _module_mod
@@ -31,16 +32,18 @@ from ..config.dtypes import FLOAT_DTYPES
 from ..errors import UsageError
 from .transform import SessionHook
 
-#: How long a call from a second thread waits for another thread's call of an O2 model to end.
-THREAD_WAIT_S = 60.0
+#: How long a call from a second thread waits for another thread's call of an O2 model to end, polling.
+THREAD_WAIT_S, POLL_S = 60.0, 0.0005
 
 
 class _Turn:
     """Which thread's calls hold compute copies: one thread at a time, across every O2 model (two models that
-    share a module would otherwise each wait for the other's thread)."""
+    share a module would otherwise each wait for the other's thread). A plain C lock guards the two fields and is
+    never held while waiting (a waiting thread polls): an interrupt cannot leave it taken, as it can a
+    ``threading.Condition`` whose Python-level ``__enter__`` is interrupted after acquiring."""
 
     def __init__(self):
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
         self.thread = None
         self.depth = 0  # calls of O2 models in progress in that thread
 
@@ -48,29 +51,44 @@ class _Turn:
         if torch.compiler.is_compiling():  # (dynamo traces the hooks: the compiled call runs in one thread's call)
             return
         me = threading.get_ident()
-        with self.cond:
-            if self.thread not in (None, me) and not self.cond.wait_for(lambda: self.thread is None,
-                                                                          timeout=THREAD_WAIT_S):
+        deadline = None
+        while not self._take(me):
+            now = time.monotonic()
+            deadline = deadline or now + THREAD_WAIT_S
+            if now > deadline:
                 raise UsageError(
                     f"{type(called).__name__}: a call of an O2 model from thread {me} waited {THREAD_WAIT_S:.0f} s "
                     f"for thread {self.thread}'s call to end. O2 puts the half compute copies into the model for "
                     "the length of one call, so calls from several threads take turns; a forward that calls O2 "
                     "modules from threads it starts and waits for cannot. Call them from the forward's own "
                     "thread, or run that model under O1.")
+            time.sleep(POLL_S)
+
+    def _take(self, me):
+        with self.lock:
+            if self.thread not in (None, me):
+                return False
             self.thread = me
             self.depth += 1
+            return True
 
     def holds(self):
         return torch.compiler.is_compiling() or self.thread == threading.get_ident()
 
-    def leave(self, calls=1):
+    def leave(self):
         if torch.compiler.is_compiling():
             return
-        with self.cond:
-            self.depth = max(self.depth - calls, 0)
+        with self.lock:
+            self.depth = max(self.depth - 1, 0)
             if not self.depth:
                 self.thread = None
-                self.cond.notify_all()
+
+    def reset(self):
+        """deinitialize: this thread has no call of an O2 model in progress any more (one an interrupt cut short
+        left its turn taken)."""
+        with self.lock:
+            if self.thread == threading.get_ident():
+                self.thread, self.depth = None, 0
 
 
 TURN = _Turn()
@@ -190,7 +208,7 @@ class ComputeCopies:
     def restore(self):
         """Put back what a call left swapped and give up its turn (deinitialize after an interrupted call)."""
         self._put_back()
-        TURN.leave(self.depth)
+        TURN.reset()
         self.depth = 0
 
     def _put_back(self):

@@ -159,3 +159,17 @@ def test_half_activations_into_dtype_checking_modules_run_as_natively(body):
             amp_patch.deinitialize()
     assert ours.dtype is native.dtype is torch.bfloat16
     torch.testing.assert_close(ours.float(), reference, rtol=0, atol=0.1)
+
+
+@pytest.mark.parametrize("job_name", ["mlp", "cnn"])
+def test_the_experiments_o1_row_trains_bitwise_as_its_native_row(job_name):
+    """The experiment's own runs agree with the oracle: O1 under the default list and native autocast give the
+    same losses, step by step, on the built-in jobs (its data made before the variant's setup, in fp32)."""
+    from amp_patch.tools.experiment import models, runner
+    from amp_patch.tools.experiment.api import make_config
+
+    config = make_config(12, torch.bfloat16, "cpu", 0, threads=1, rounds=1)
+    job = getattr(models, job_name)()
+    o1 = runner.run_variant(job, "O1", config)["losses"]
+    native = runner.run_variant(getattr(models, job_name)(), "native", config)["losses"]
+    assert len(o1) == 12 and o1 == native

@@ -266,7 +266,10 @@ def _record(step, loss, optimizer, runner, result):
 
 
 def _batches(job, config):
-    """An endless iterator over the job's batches (a DataLoader, reshuffled each epoch from a seeded generator)."""
+    """An endless iterator over the job's batches (a DataLoader, reshuffled each epoch from a seeded generator).
+    ``data_fn`` runs now, before the variant's ``setup``: a job's data is made as its script would make it, in
+    fp32, not under O1's patches (a lazy call ran the built-in jobs' teacher matmul in half under O1 only, so its
+    rows trained on other labels than native's)."""
     data = job.data_fn()
     if isinstance(data, (tuple, list)) and all(torch.is_tensor(t) for t in data):
         data = TensorDataset(*data)
@@ -275,6 +278,10 @@ def _batches(job, config):
         data = DataLoader(data, batch_size=job.batch_size, shuffle=True, drop_last=len(data) >= job.batch_size,
                           generator=torch.Generator().manual_seed(config.seed), num_workers=2 if cuda else 0,
                           pin_memory=cuda, persistent_workers=cuda)
+    return _endless(data)
+
+
+def _endless(data):
     total = 0
     while True:
         before = total

@@ -119,3 +119,43 @@ def test_channel_last_fused_relu_adds_z_then_clamps_and_its_backward_masks_the_g
 def test_syncbn_is_served_as_a_top_level_module_under_the_apex_alias():
     from amp_patch.legacy.mirror import mirror_name
     assert mirror_name("syncbn") == "amp_patch.legacy.syncbn"
+
+
+# Apex's own check of the extension (tests/distributed/synced_batchnorm/single_gpu_unit_test.py), run on CPU under
+# the alias: CUDA tensor types become CPU ones, ``compare`` records each check. The channel-last SyncBatchNorm
+# module it also builds is refused by amp_patch's apex.parallel (docs/apex_modules.md), so that block and its
+# checks are cut; every other check of the script must pass.
+_SCRIPT = "tests/distributed/synced_batchnorm/single_gpu_unit_test.py"
+_CPU = (("torch.cuda.IntTensor(", "torch.IntTensor("), ("torch.cuda.FloatTensor", "torch.FloatTensor"),
+        ("torch.cuda.DoubleTensor", "torch.DoubleTensor"), (".cuda()", ""), ("def compare(", "def _apex_compare("))
+_RECORD = ("CHECKS = []\ndef compare(desc, a, b, error):\n"
+           "    CHECKS.append((desc, bool(_apex_compare(desc, a, b, error))))\n    return CHECKS[-1][1]\n")
+
+
+def _cpu_script(text):
+    start, end = text.index("sbn_c_last = apex"), text.index("sbn_result = True")
+    text = text[:start] + text[end:text.index("if sbn_result_c_last:")]
+    text = "\n".join(line for line in text.splitlines() if "c_last" not in line)
+    for old, new in _CPU:
+        text = text.replace(old, new)
+    return _RECORD + text
+
+
+def test_apex_single_gpu_unit_test_checks_pass_on_cpu(capsys):
+    import os
+    import pathlib
+    src = os.environ.get("AMP_PATCH_APEX_SRC")
+    if not src or not (pathlib.Path(src) / _SCRIPT).is_file():
+        pytest.skip(f"AMP_PATCH_APEX_SRC does not hold Apex's {_SCRIPT}")
+    from amp_patch.legacy import install_apex_alias, uninstall_apex_alias
+    install_apex_alias()
+    try:
+        namespace = {"__name__": "apex_single_gpu_unit_test"}
+        exec(compile(_cpu_script((pathlib.Path(src) / _SCRIPT).read_text()), _SCRIPT, "exec"), namespace)
+    finally:
+        uninstall_apex_alias()
+    checks = namespace["CHECKS"]
+    failed = [desc for desc, ok in checks if not ok]
+    assert len(checks) == 21 and not failed, (failed, capsys.readouterr().out)  # 28 in all, 7 channel-last cut
+    assert namespace["syncbn"].reduce_bn is syncbn.reduce_bn  # the script's `import syncbn` got the stand-in
+    assert "====SBN single gpu passed tests" in capsys.readouterr().out

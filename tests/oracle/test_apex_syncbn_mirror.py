@@ -24,8 +24,8 @@ def _data(dtype, wdtype, shape=(4, 3, 5, 6), seed=0):
 
 def _torch_bn(x, dy, w, b):
     """Output and grads of torch's training-mode batch norm, computed in fp32 from the same values."""
-    x32 = x.float().requires_grad_()
-    w32, b32 = w.float().requires_grad_(), b.float().requires_grad_()
+    x32 = x.detach().float().requires_grad_()
+    w32, b32 = w.detach().float().requires_grad_(), b.detach().float().requires_grad_()
     out = F.batch_norm(x32, None, None, w32, b32, training=True, eps=EPS)
     out.backward(dy.float())
     return out.detach(), x32.grad, w32.grad, b32.grad
@@ -122,9 +122,8 @@ def test_syncbn_is_served_as_a_top_level_module_under_the_apex_alias():
 
 
 # Apex's own check of the extension (tests/distributed/synced_batchnorm/single_gpu_unit_test.py), run on CPU under
-# the alias: CUDA tensor types become CPU ones, ``compare`` records each check. The channel-last SyncBatchNorm
-# module it also builds is refused by amp_patch's apex.parallel (docs/apex_modules.md), so that block and its
-# checks are cut; every other check of the script must pass.
+# the alias: CUDA tensor types become CPU ones, ``compare`` records each check (29 of them, 8 of them on
+# apex.parallel.SyncBatchNorm(channel_last=True)); every check must pass.
 _SCRIPT = "tests/distributed/synced_batchnorm/single_gpu_unit_test.py"
 _CPU = (("torch.cuda.IntTensor(", "torch.IntTensor("), ("torch.cuda.FloatTensor", "torch.FloatTensor"),
         ("torch.cuda.DoubleTensor", "torch.DoubleTensor"), (".cuda()", ""), ("def compare(", "def _apex_compare("))
@@ -133,9 +132,6 @@ _RECORD = ("CHECKS = []\ndef compare(desc, a, b, error):\n"
 
 
 def _cpu_script(text):
-    start, end = text.index("sbn_c_last = apex"), text.index("sbn_result = True")
-    text = text[:start] + text[end:text.index("if sbn_result_c_last:")]
-    text = "\n".join(line for line in text.splitlines() if "c_last" not in line)
     for old, new in _CPU:
         text = text.replace(old, new)
     return _RECORD + text
@@ -156,6 +152,24 @@ def test_apex_single_gpu_unit_test_checks_pass_on_cpu(capsys):
         uninstall_apex_alias()
     checks = namespace["CHECKS"]
     failed = [desc for desc, ok in checks if not ok]
-    assert len(checks) == 21 and not failed, (failed, capsys.readouterr().out)  # 28 in all, 7 channel-last cut
+    assert len(checks) == 29 and not failed, (failed, capsys.readouterr().out)
     assert namespace["syncbn"].reduce_bn is syncbn.reduce_bn  # the script's `import syncbn` got the stand-in
-    assert "====SBN single gpu passed tests" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "====SBN single gpu passed tests" in out and "====SBN channel last single gpu passed tests" in out
+
+
+def test_channel_last_sync_batchnorm_takes_and_returns_nhwc_with_torch_batch_norm_values():
+    from amp_patch.legacy.apex.parallel import SyncBatchNorm, convert_syncbn_model
+    x, dy, w, b = _data(torch.float32, torch.float32)
+    out_r, dx_r, dw_r, db_r = _torch_bn(x, dy, w, b)
+    sbn = convert_syncbn_model(torch.nn.BatchNorm2d(3), channel_last=True)
+    assert isinstance(sbn, SyncBatchNorm) and sbn.channel_last
+    with torch.no_grad():
+        sbn.weight.copy_(w), sbn.bias.copy_(b)
+    xc = _c_last(x).requires_grad_()
+    out = sbn(xc)
+    out.backward(_c_last(dy))
+    assert out.shape == xc.shape and out.is_contiguous()
+    for got, expected in [(out.movedim(-1, 1), out_r), (xc.grad.movedim(-1, 1), dx_r), (sbn.weight.grad, dw_r),
+                          (sbn.bias.grad, db_r), (sbn.running_mean, 0.1 * x.mean((0, 2, 3)))]:
+        _close(got, expected, torch.float32)

@@ -1,9 +1,9 @@
-"""Where the alias finds the modules it serves as ``apex.<sub>``, ``amp_C`` and ``apex_C``.
+"""Where the alias finds the modules it serves as ``apex.<sub>``, ``amp_C``, ``apex_C`` and ``syncbn``.
 
 amp_patch keeps its implementations of Apex's modules in a tree that mirrors
 Apex's own: ``apex.parallel.distributed`` is ``amp_patch.legacy.apex.parallel.distributed``,
 and the top-level extension modules Apex installed beside ``apex`` are
-``amp_patch.legacy.amp_C`` / ``amp_patch.legacy.apex_C``. Whatever exists in that
+``amp_patch.legacy.amp_C`` / ``apex_C`` / ``syncbn``. Whatever exists in that
 tree is provided by the alias; everything else keeps the ``ApexImportError`` path.
 (``apex.amp`` is the exception: it is :mod:`amp_patch.legacy.apex_amp`.)
 Nothing here imports a mirror module except :func:`mirror_spec` for a submodule,
@@ -13,7 +13,8 @@ import importlib.util
 import sys
 
 MIRROR_ROOT = "amp_patch.legacy.apex"
-TOP_LEVEL = {"amp_C": "amp_patch.legacy.amp_C", "apex_C": "amp_patch.legacy.apex_C"}
+TOP_LEVEL = {"amp_C": "amp_patch.legacy.amp_C", "apex_C": "amp_patch.legacy.apex_C",
+             "syncbn": "amp_patch.legacy.syncbn"}
 
 
 def is_apex_name(name):

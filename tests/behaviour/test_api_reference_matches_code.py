@@ -35,7 +35,8 @@ def _public_modules():
 # Modules that re-create another package's API (Apex's modules, its C extensions) keep that package's names and
 # signatures; they are documented in the doc named here (which api.md links), each name there in backticks.
 FOREIGN = {"amp_patch.legacy.apex": "apex_modules.md", "amp_patch.legacy.amp_C": "apex_modules.md",
-           "amp_patch.legacy.apex_C": "apex_modules.md", "amp_patch.legacy.amp_lists": "apex_modules.md"}
+           "amp_patch.legacy.apex_C": "apex_modules.md", "amp_patch.legacy.amp_lists": "apex_modules.md",
+           "amp_patch.legacy.syncbn": "apex_modules.md"}
 
 
 def _foreign_doc(module):

@@ -75,8 +75,6 @@ def test_refused_arguments_name_the_fix(one_rank):
         DistributedDataParallel(_net(), shared_param=True)
     with pytest.raises(ConfigError, match="positive finite"):
         DistributedDataParallel(_net(), gradient_predivide_factor=0)
-    with pytest.raises(ConfigError, match="channel_last"):
-        convert_syncbn_model(_net(), channel_last=True)
     with pytest.raises(ConfigError, match="divide"):
         create_syncbn_process_group(3)
 

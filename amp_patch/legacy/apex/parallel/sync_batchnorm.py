@@ -4,8 +4,8 @@ On CUDA (and any device torch's SyncBatchNorm supports) torch's kernels do the w
 tensors in training once a process group exists; there the batch statistics are all-reduced here instead (sums and
 sums of squares, all-reduced in forward and their gradients in backward), so gloo runs work too.
 ``fuse_relu=True`` applies a ReLU after the norm (after adding ``z`` when forward gets one), as Apex's
-fused kernel did. ``channel_last=True`` (Apex's NHWC kernel) is refused: pass NCHW tensors (torch's
-``channels_last`` memory format is fine) and leave it False.
+fused kernel did. ``channel_last=True`` takes Apex's NHWC layout (channels in the last dim, for the module and
+``convert_syncbn_model``) and returns that layout; the math is the NCHW one on a moved view.
 """
 import torch
 import torch.distributed as dist
@@ -13,13 +13,6 @@ import torch.distributed as dist
 from ....errors import ConfigError
 
 __all__ = ["SyncBatchNorm", "convert_syncbn_model", "create_syncbn_process_group"]
-
-
-def _refuse_channel_last(channel_last):
-    if channel_last:
-        raise ConfigError("apex.parallel.SyncBatchNorm(channel_last=True): Apex's NHWC kernel is not provided. "
-                          "Pass NCHW-shaped tensors (the torch.channels_last memory format works) and "
-                          "channel_last=False.")
 
 
 class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
@@ -35,7 +28,6 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
                  process_group=None, channel_last=False, fuse_relu=False):
-        _refuse_channel_last(channel_last)
         super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
                          track_running_stats=track_running_stats)
         self.process_group = process_group
@@ -43,6 +35,12 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         self.fuse_relu = fuse_relu
 
     def forward(self, input, z=None):
+        if self.channel_last:  # Apex's NHWC layout: channels in the last dim, in and out
+            z = None if z is None else z.movedim(-1, 1)
+            return self._forward(input.movedim(-1, 1), z).movedim(1, -1).contiguous()
+        return self._forward(input, z)
+
+    def _forward(self, input, z):
         sync = self._needs_cpu_sync(input)
         out = self._synced_on_cpu(input) if sync else torch.nn.SyncBatchNorm.forward(self, input)
         if z is not None:
@@ -99,11 +97,10 @@ class _AllReduceSum(torch.autograd.Function):
 def convert_syncbn_model(module, process_group=None, channel_last=False):
     """Replace every batch norm in ``module`` (recursively) by :class:`SyncBatchNorm`, keeping its params and
     running statistics; returns the converted module (a new one when ``module`` itself is a batch norm)."""
-    _refuse_channel_last(channel_last)
     converted = module
     if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
         converted = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                                  module.track_running_stats, process_group)
+                                  module.track_running_stats, process_group, channel_last)
         if module.track_running_stats:
             converted.running_mean = module.running_mean
             converted.running_var = module.running_var

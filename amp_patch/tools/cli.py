@@ -92,6 +92,14 @@ def echo_half_dtype(command, args):
         sys.stderr.write(f"amp-patch {command}: --half-dtype {given} is {args.half_dtype}\n")
 
 
+def run_threads(args, built_in_job):
+    """``--threads`` as given, else 1 for a built-in job on the CPU (steadier timings), else None (torch's own):
+    the rule the experiment and the speed report share."""
+    if args.threads is not None:
+        return args.threads
+    return 1 if args.device == "cpu" and built_in_job else None
+
+
 def _subcommand(name):
     def register(add):
         SUBCOMMANDS[name] = add

@@ -5,7 +5,7 @@ import os
 import sys
 
 from ...errors import AmpPatchError, ExperimentInterrupted
-from ..cli import add_half_dtype, add_verbose, echo_half_dtype, error
+from ..cli import add_half_dtype, add_verbose, echo_half_dtype, error, run_threads
 from .api import format_reports, run_experiment
 from .models import BUILTIN, builtin_spec, load_job
 from .report import JSON_NAME, PNG_NAME
@@ -88,12 +88,6 @@ def _variants(args):
     return ",".join(args.variants)
 
 
-def _threads(args):
-    if args.threads is not None:
-        return args.threads
-    return 1 if args.device == "cpu" and not args.job else None
-
-
 def run_command(args):
     """Run the experiment the parsed ``args`` describe; returns the exit status (130 after Ctrl-C)."""
     echo_half_dtype("experiment", args)
@@ -104,7 +98,7 @@ def run_command(args):
         reports = run_experiment(jobs, variants=_variants(args), steps=args.steps,
                                  half_dtype=args.half_dtype, device=args.device, seed=args.seed,
                                  out_dir=args.out, isolate=not args.no_isolate, progress=not args.no_progress,
-                                 threads=_threads(args), rounds=args.rounds, timeout_s=args.timeout,
+                                 threads=run_threads(args, not args.job), rounds=args.rounds, timeout_s=args.timeout,
                                  loss_tolerance=args.loss_tolerance, op_lists=args.op_lists)
     except AmpPatchError as exc:
         return error("experiment", exc, args)

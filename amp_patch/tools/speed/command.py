@@ -3,7 +3,7 @@ import argparse
 import sys
 
 from ...errors import AmpPatchError
-from ..cli import add_half_dtype, add_verbose, echo_half_dtype, error, job_raised
+from ..cli import add_half_dtype, add_verbose, echo_half_dtype, error, job_raised, run_threads
 
 #: the job run when --job is not given: the experiment's built-in MLP
 DEFAULT_JOB = "amp_patch.tools.experiment.models:mlp"
@@ -45,19 +45,14 @@ def add_parser(subparsers):
     return parser
 
 
-def _threads(args):
-    if args.threads is not None:
-        return args.threads
-    return 1 if args.device == "cpu" and args.job == DEFAULT_JOB else None
-
-
 def run_command(args):
     """Make the speed report for parsed ``args``; returns the exit status."""
     from .api import speed_report
     echo_half_dtype("speed", args)
     try:
         report = speed_report(args.job, opt_level=args.opt_level, half_dtype=args.half_dtype, steps=args.steps,
-                              device=args.device, seed=args.seed, threads=_threads(args))
+                              device=args.device, seed=args.seed,
+                              threads=run_threads(args, args.job == DEFAULT_JOB))
     except AmpPatchError as exc:
         return error("speed", exc, args)
     except Exception as exc:  # noqa: BLE001 - the job's own code raised (else job_raised is None: re-raise)

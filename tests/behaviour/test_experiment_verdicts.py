@@ -228,3 +228,16 @@ def test_one_process_per_variant_serves_every_job_and_ends_with_the_experiment()
     for pid in (pids["fp32"][0], pids["O1"][0]):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_the_summary_gives_the_span_of_rounds_when_ctrl_c_stopped_one_row_a_round_earlier():
+    rows = {}
+    for name, done in (("fp32", 5), ("O1", 5), ("O2", 4)):
+        result = new_result(name, True)
+        result.update(status="ok" if done == 5 else "interrupted", losses=[2.0, 1.9],
+                      rounds=[{"round": i, "median_step_ms": 1.0} for i in range(done)], median_step_ms=1.0,
+                      step_ms_min=1.0, step_ms_max=1.0)
+        rows[name] = result
+    report = summarize("j", Config(steps=12, rounds=5), rows, True)
+    assert (report["rounds_finished"], report["rounds_finished_fewest"]) == (5, 4)
+    assert "median over 4-5 rounds (of 5 planned: Ctrl-C stopped the rest)" in markdown(report)

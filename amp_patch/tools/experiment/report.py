@@ -40,6 +40,7 @@ def summarize(job_name, config, results, isolated, loss_tolerance=LOSS_TOLERANCE
     return {"job": job_name, "steps": config.steps, "half_dtype": str(config.half_dtype).replace("torch.", ""),
             "device": config.device, "seed": config.seed, "isolated": isolated, "threads": _threads(results),
             "rounds": len(config.round_sizes()), "rounds_finished": _rounds_finished(results),
+            "rounds_finished_fewest": _rounds_finished(results, fewest=True),
             "interleaved": isolated and len(results) > 1,
             "timeout_s": config.timeout_s, "torch_version": torch.__version__, "machine": machine_line(config),
             "variants": variants,
@@ -53,9 +54,13 @@ def machine_line(config):
     return f"{machine}; {half_hardware(config.device, config.half_dtype).sentence()}"
 
 
-def _rounds_finished(results):
-    """The most rounds any variant timed to the end (all of them, unless Ctrl-C stopped the experiment)."""
-    return max((sum(1 for r in v["rounds"] if r.get("median_step_ms")) for v in results.values()), default=0)
+def _rounds_finished(results, fewest=False):
+    """The most rounds any variant timed to the end (all of them, unless Ctrl-C stopped the experiment); with
+    ``fewest``, the fewest of the variants that timed at least one (a row Ctrl-C stopped a round earlier)."""
+    counts = [sum(1 for r in v["rounds"] if r.get("median_step_ms")) for v in results.values()]
+    if fewest:
+        return min((n for n in counts if n), default=0)
+    return max(counts, default=0)
 
 
 def _threads(results):
@@ -139,17 +144,22 @@ def _heading(report):
 def _notes(report):
     kinds = sorted({v["memory_kind"] for v in report["variants"].values() if v["memory_kind"]})
     rounds = report.get("rounds_finished", report["rounds"])
-    planned = "" if rounds >= report["rounds"] else f" (of {report['rounds']} planned: Ctrl-C stopped the rest)"
+    fewest = report.get("rounds_finished_fewest") or rounds
+    planned = "" if fewest >= report["rounds"] else f" (of {report['rounds']} planned: Ctrl-C stopped the rest)"
     how = ("each round runs every variant in turn, each in its own process" if report["interleaved"] else
            "the rounds of one variant back to back")
-    return (f"Step times: median over {rounds} round{'s' if rounds != 1 else ''}{planned} ({how}) of each "
-            "round's median step, with the rounds' min-max; a ratio is the variant's step time over fp32's (or "
+    return (f"Step times: median over {_span(fewest, rounds)} round{'s' if rounds != 1 else ''}{planned} ({how}) "
+            "of each round's median step, with the rounds' min-max; a ratio is the variant's step time over fp32's (or "
             "native's): below 1.00x is faster. It is taken round by round, and *n.s.* marks one whose min-max "
             f"includes 1.00x or that has fewer than {MIN_ROUNDS} rounds (not significant). Rows after fp32 go "
             f"fastest first, in the verdict's order. Peak memory: {'; '.join(kinds) or 'n/a'} (+ its growth "
             "during the run). State MiB: weights + grads + optimizer state (masters kept beside the weights "
             "included), from the tensors' storages, each counted once. Casts/iter: aten._to_copy calls in one "
             "forward+backward+step.")
+
+
+def _span(low, high):
+    return str(high) if low >= high else f"{low}-{high}"
 
 
 def _num(value, digits):

@@ -34,6 +34,8 @@ CATALOGUE = (
      "O2 masters follow DDP's broadcast of rank 0's weights"),
     ("torch.nn.parallel.distributed.DistributedDataParallel.no_sync", "parallel.ddp",
      "unscaling inside no_sync() is counted, so an unreduced step is refused"),
+    ("torch._dynamo.config.skip_nnmodule_hook_guards", "model.compile_guards",
+     "O2's compute copies: compiled graphs guard on module hooks (set False while the session is open)"),
     ("torch.Tensor.item/tolist/cpu/numpy/__bool__/__int__/__float__/__repr__/__format__", "tools.speed.probes",
      "only during `amp-patch speed` probe steps, not in a session: counts the user's host reads of tensor values"),
 )

@@ -10,6 +10,7 @@ from ..casting.interop import modules as module_compat
 from ..config.dtypes import HALF_DTYPES
 from ..config.opt_levels import resolve
 from ..errors import ConfigError
+from ..model.compile_guards import HookGuards
 from ..model.compute_copies import ComputeCopies
 from ..model.transform import CallOnForward, ModelPatch, SparseEmbedding
 from ..observe.overflow import OverflowDiagnoser, StepHistory
@@ -189,6 +190,9 @@ def _prepare_models(session, models):
     copies = props.master_storage == "model"
     if copies:  # (a sparse grad cannot flow back through a compute copy)
         keep = keep + (SparseEmbedding,)
+        guards = HookGuards()
+        session.undo.append(guards.restore)  # first: an interrupt inside install leaves nothing behind
+        guards.install()
     for model in models:
         patch = ModelPatch(model)
         session.model_patches.append(patch)

@@ -1,0 +1,60 @@
+"""O2 under torch.compile: every compiled call of an O2 model runs with its half compute copies, however the
+process compiled the model's class before (dynamo shares a graph between instances of a class and, by default,
+does not guard on module hooks, which is where O2's copies are made)."""
+import pytest
+import torch
+
+import amp_patch
+from amp_patch.model import compile_guards
+from amp_patch.patching import registry
+
+X = torch.randn(16, 8)
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _o2(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return amp_patch.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)[0]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_a_model_compiled_before_initialize_runs_its_compute_copies_after():
+    model = _net()
+    compiled = torch.compile(model, backend="eager")
+    fp32 = compiled(X)
+    _o2(model)
+    assert torch.equal(compiled(X), model(X))  # eager O2 (half compute), not the fp32 graph
+    assert not torch.equal(compiled(X), fp32)
+
+
+def test_an_fp32_instance_of_the_class_compiled_during_the_session_does_not_serve_the_o2_model():
+    model = _o2(_net())
+    compiled = torch.compile(model, backend="eager")
+    compiled(X)
+    baseline = _net()
+    compiled_baseline = torch.compile(baseline, backend="eager")
+    assert torch.equal(compiled_baseline(X), baseline(X))  # the fp32 instance's own graph: fp32
+    assert torch.equal(compiled(X), model(X))  # and the O2 model still its own: half compute
+    assert torch.equal(compiled_baseline(X), baseline(X))
+
+
+def test_after_deinitialize_the_compiled_model_is_fp32_again_and_dynamos_flag_is_back():
+    flag = torch._dynamo.config.skip_nnmodule_hook_guards
+    model = _o2(_net())
+    compiled = torch.compile(model, backend="eager")
+    compiled(X)
+    assert compile_guards.SITE in registry.installed()
+    amp_patch.deinitialize()
+    assert torch._dynamo.config.skip_nnmodule_hook_guards == flag
+    assert compile_guards.SITE not in registry.installed()
+    assert torch.equal(compiled(X), model(X))

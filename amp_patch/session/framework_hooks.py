@@ -35,17 +35,17 @@ def attach_optimizers(optimizers, *, unscale_loss_id=None):
         return optimizers
     check_step_hooks(opt_list)
     for opt in opt_list:
-        if id(opt) in session.opt_states:
+        if id(opt) in session.scaling.opt_states:
             raise UsageError(f"this {type(opt).__name__} optimizer is already attached to the amp_patch session; "
                              "attach each optimizer once (initialize(model, opt) or attach_optimizers(opt))")
     attached = [(state.optimizer, [p for pair in state.pairs for p in pair] + _held(state.optimizer))
-                for state in session.opt_states.values()]
+                for state in session.scaling.opt_states.values()]
     check_no_shared_params(session.props, opt_list, session.models, attached)
     _follow_devices(session.fp32_data, opt_list)
     _attach_optimizers(session, opt_list, session.fp32_data)
-    states = [session.state_for(opt) for opt in opt_list]
+    states = [session.scaling.state_for(opt) for opt in opt_list]
     for state in states:
-        state.engine = session.engine
+        state.engine = session.casting.engine
     _link_masters(session)
     if unscale_loss_id is not None:
         _unscale_now(session, states, unscale_loss_id)
@@ -63,7 +63,7 @@ def _follow_devices(fp32_data, optimizers):
 
 
 def _unscale_now(session, states, loss_id):
-    scaler = session.scaler(loss_id)
+    scaler = session.scaling.scaler(loss_id)
     with _quiet(session):
         found_inf = False
         for state in states:
@@ -75,4 +75,4 @@ def _unscale_now(session, states, loss_id):
 def next_step_skipped(optimizer):
     """True when ``optimizer``'s next ``step()`` will be skipped (an overflow was found since its last step)."""
     session = current_session("next_step_skipped")
-    return session.enabled and session.state_for(optimizer).skip_next
+    return session.enabled and session.scaling.state_for(optimizer).skip_next

@@ -155,7 +155,7 @@ def test_o2_zero_grad_clears_the_half_model_grads_and_the_pending_scale():
     assert all(p.grad is not None and p.grad.dtype is torch.float32 for p in model.parameters())  # (the fp32 params')
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
-    state = amp_patch.session.state.current().state_for(opt)
+    state = amp_patch.session.state.current().scaling.state_for(opt)
     assert state.pending_scaler is None and not state.skip_next
 
 

@@ -122,8 +122,7 @@ class ScalerView:
             return False
         self._scaler.update(True)
         for state in _session("loss_scalers").scaling.opt_states.values():
-            if not state.skip_next:
-                state.skip_next, state.doomed_by = True, self._scaler
+            state.doom(by=self._scaler)
         return True
 
     def __getattribute__(self, name):

@@ -62,7 +62,7 @@ def _scaled(session, state, scaler, loss):
     yield loss.float() * scaler.scale
     found = distributed.agree_overflow(state.after_backward(scaler, False))
     if scaler.update(found):
-        state.skip_next = True
+        state.doom()
     session.clear_cache()
 
 

@@ -23,6 +23,7 @@ import torch
 
 from ..config.opt_levels import resolve
 from ..errors import UsageError
+from ..scaling.stages import Grads
 from ..session import state as _state
 from ..session.api import _check_incoming_fp32, deinitialize
 from ..session.api import initialize as _initialize
@@ -112,7 +113,7 @@ def _as_list(objs):
 
 def _check_nothing_pending(session):
     for state in session.scaling.opt_states.values():
-        if state.in_scale_loss or state.pending_scaler is not None:
+        if state.in_scale_loss or state.grads is Grads.SCALED:
             raise UsageError(f"amp.initialize() called again while the {type(state.optimizer).__name__} "
                              "optimizer has scaled gradients waiting for step() (inside scale_loss, or after a "
                              "delay_unscale=True exit); call optimizer.step() (or optimizer.zero_grad()) first, "

@@ -14,6 +14,7 @@ import torch
 from ..errors import UsageError
 from ..parallel import ddp as distributed
 from ..scaling.protocol import _finish_step, _quiet
+from ..scaling.stages import NextStep
 from .api import _as_list, _attach_optimizers, _link_masters
 from .checks import _held, check_no_shared_params, check_step_hooks
 from .state import current_session
@@ -67,7 +68,7 @@ def _unscale_now(session, states, loss_id):
     with _quiet(session):
         found_inf = False
         for state in states:
-            state.pending_scaler = scaler
+            state.adopt_scaled(scaler)
             found_inf |= state.after_backward(scaler, False)
         _finish_step(session, scaler, loss_id, states, distributed.agree_overflow(found_inf))
 
@@ -75,4 +76,4 @@ def _unscale_now(session, states, loss_id):
 def next_step_skipped(optimizer):
     """True when ``optimizer``'s next ``step()`` will be skipped (an overflow was found since its last step)."""
     session = current_session("next_step_skipped")
-    return session.enabled and session.scaling.state_for(optimizer).skip_next
+    return session.enabled and session.scaling.state_for(optimizer).next_step is NextStep.DOOMED

@@ -46,7 +46,7 @@ from . import unscaled
 from .foreign_grads import ForeignGrads
 from .masters import MasterWeights
 from .remainder import Fp32Masters
-from .stages import Grads, NextStep, NextStepStage, Scaled
+from .stages import DOOMED, READY, SCALED, UNSCALED, NextStepStage, Scaled
 from .state_casts import cast_state_to_params, uncast_state
 from .unscale import unscale_
 
@@ -123,11 +123,12 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         self.claim()
         unscaled.note_scaled(self)
         self.check_foreign("scale_loss")
-        self._pardon()
+        if self.next_step is DOOMED:
+            self._pardon()
         pending = self.pending
         if pending is None:
             self._bring_to(scaler, unreduced=in_place)
-            self.pending = Scaled(scaler, unreduced=in_place)
+            self.pending = Scaled(scaler, in_place)
             return
         if pending.scaler is scaler:
             return
@@ -142,7 +143,7 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
     @property
     def grads(self):
         """The :class:`~.stages.Grads` stage: SCALED while ``pending`` holds its data."""
-        return Grads.UNSCALED if self.pending is None else Grads.SCALED
+        return UNSCALED if self.pending is None else SCALED
 
     def adopt_scaled(self, scaler):
         """The grads now in param.grad carry ``scaler``'s scale (a backward run outside scale_loss): SCALED(scaler),
@@ -155,7 +156,7 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
     def _bring_to(self, scaler, unreduced):
         """Unscaled grads in param.grad get ``scaler``'s scale (single process: half grads, and after an overflow
         every grad, are set aside instead, see before_backward)."""
-        doomed = self.next_step is NextStep.DOOMED
+        doomed = self.next_step is DOOMED
         if distributed.world_size() == 1 and not unreduced and (doomed or scaler.scale != 1.0):
             self._set_aside_grads(every=doomed)
         grads = [p.grad for p in self._grad_params() if p.grad is not None]
@@ -308,7 +309,7 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
             self.engine.resume_after_step()
         self.stepping = max(self.stepping - 1, 0)
         if self.closure_overflow:  # (the scaler backed off already; the next step is not skipped for it)
-            self.last_skipped, self.next_step, self.closure_overflow = True, NextStep.READY, False
+            self.last_skipped, self.next_step, self.closure_overflow = True, READY, False
         self.storage.after_step(self.pairs, self.last_skipped)
         self._clear_master_grads()
         self.masters_stale = bool(self.pairs)

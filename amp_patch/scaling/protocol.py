@@ -9,7 +9,7 @@ from ..errors import ConfigError, UsageError
 from ..observe.overflow import bad_grads, skip_cause
 from ..parallel import ddp as distributed
 from ..session import state as _state
-from .stages import NextStep
+from .stages import DOOMED
 
 
 def _optimizer_list(optimizers):
@@ -211,7 +211,7 @@ def _counts(session, scaler, states, found_inf):
     Under Apex's API every exit counts (Apex's ``update_scale`` per exit: one back-off per overflowing
     micro-batch, the clean ones counted). Under DDP an exit in a doomed step counts nothing (both APIs): its check
     saw the whole accumulation (OptimizerState.before_backward), so an earlier loss's inf would count again."""
-    if not states or not all(state.next_step is NextStep.DOOMED for state in states):
+    if not states or not all(state.next_step is DOOMED for state in states):
         return True
     if distributed.world_size() > 1:
         return False

@@ -14,7 +14,7 @@ import torch
 from ..errors import UsageError
 from ..parallel import ddp as distributed
 from ..scaling.protocol import _finish_step, _quiet
-from ..scaling.stages import NextStep
+from ..scaling.stages import DOOMED
 from .api import _as_list, _attach_optimizers, _link_masters
 from .checks import _held, check_no_shared_params, check_step_hooks
 from .state import current_session
@@ -76,4 +76,4 @@ def _unscale_now(session, states, loss_id):
 def next_step_skipped(optimizer):
     """True when ``optimizer``'s next ``step()`` will be skipped (an overflow was found since its last step)."""
     session = current_session("next_step_skipped")
-    return session.enabled and session.scaling.state_for(optimizer).next_step is NextStep.DOOMED
+    return session.enabled and session.scaling.state_for(optimizer).next_step is DOOMED

@@ -66,7 +66,7 @@ def tensors_held(model, opt):
         found += [v for v in state.values() if torch.is_tensor(v)]
     session = amp_patch.session.api._state.current()
     if session is not None:
-        for opt_state in session.opt_states.values():
+        for opt_state in session.scaling.opt_states.values():
             found += list(getattr(opt_state.storage, "remainders", {}).values())
     return [t for t in found if t is not None]
 

@@ -51,7 +51,7 @@ class AmpStashView:
 
 
 def _state_of(session, optimizer):
-    state = session.opt_states.get(id(optimizer))
+    state = session.scaling.opt_states.get(id(optimizer))
     if state is None or state.optimizer is not optimizer:
         raise ApexAttributeError(f"optimizer._amp_stash of a {type(optimizer).__name__} optimizer amp.initialize "
                                  "was not given", "pass the optimizer to amp.initialize(model, optimizer, ...)")

@@ -38,7 +38,7 @@ def master_params(optimizer):
     """Apex's ``amp.master_params``: the params ``optimizer`` updates (O2: the fp32 masters). Like Apex's (a loop
     over ``param_groups``) it works before or without ``initialize`` and for optimizers it was not given."""
     session = _state.current()
-    if session is not None and session.enabled and session.opt_states.get(id(optimizer)) is not None:
+    if session is not None and session.enabled and session.scaling.opt_states.get(id(optimizer)) is not None:
         return _master_params(optimizer)
     return (p for group in optimizer.param_groups for p in group["params"])
 
@@ -121,9 +121,8 @@ class ScalerView:
         if buf is None or not bool(buf.item()):
             return False
         self._scaler.update(True)
-        for state in _session("loss_scalers").opt_states.values():
-            if not state.skip_next:
-                state.skip_next, state.doomed_by = True, self._scaler
+        for state in _session("loss_scalers").scaling.opt_states.values():
+            state.doom(by=self._scaler)
         return True
 
     def __getattribute__(self, name):
@@ -209,7 +208,7 @@ class AmpStateView:
 
     @property
     def loss_scalers(self):
-        return [view_of(s) for s in _session("loss_scalers").scalers]
+        return [view_of(s) for s in _session("loss_scalers").scaling.scalers]
 
     @property
     def opt_properties(self):
@@ -228,7 +227,7 @@ class AmpStateView:
         return self._scaler0("max_loss_scale")
 
     def _scaler0(self, name):
-        scalers = _session(name).scalers
+        scalers = _session(name).scaling.scalers
         return scalers[0].hyperparameters[name] if scalers else None
 
     @property

@@ -62,7 +62,7 @@ def _scaled(session, state, scaler, loss):
     yield loss.float() * scaler.scale
     found = distributed.agree_overflow(state.after_backward(scaler, False))
     if scaler.update(found):
-        state.skip_next = True
+        state.doom()
     session.clear_cache()
 
 
@@ -94,10 +94,10 @@ class AmpHandle:
     def attach(self, optimizer):
         """Register ``optimizer`` with the session (idempotent); returns its amp_patch state."""
         session = self._require_active("wrap_optimizer")
-        state = session.opt_states.get(id(optimizer))
+        state = session.scaling.opt_states.get(id(optimizer))
         if state is None or state.optimizer is not optimizer:
             state = OptimizerState(optimizer, master_weights=False)
-            session.opt_states[id(optimizer)] = state
+            session.scaling.opt_states[id(optimizer)] = state
             session.undo.append(state.restore)  # (its step hooks go with the session)
         return state
 
@@ -114,7 +114,7 @@ class AmpHandle:
         if isinstance(optimizer, OptimWrapper):
             optimizer = optimizer.optimizer
         state = self.attach(optimizer)
-        with _scaled(self._session, state, self._session.scalers[0], loss) as scaled:
+        with _scaled(self._session, state, self._session.scaling.scalers[0], loss) as scaled:
             yield scaled
 
     def _clear_cache(self):
@@ -133,7 +133,7 @@ class AmpHandle:
         if name.startswith("__"):
             raise AttributeError(name)
         if name == "_default_scaler":  # Apex's handle.scale_loss scaler: here the session's scaler 0
-            return view_of(self._require_active("_default_scaler").scalers[0])
+            return view_of(self._require_active("_default_scaler").scaling.scalers[0])
         raise attribute_error(f"amp.AmpHandle.{name}")
 
 

@@ -89,10 +89,10 @@ def _verbosity(session):
 def _after_step(optimizer, args, kwargs):
     """A step the session skipped after an overflow: Apex's line (printed by Apex's patched ``step``)."""
     session = _state.current()
-    state = session.opt_states.get(id(optimizer)) if session is not None else None
+    state = session.scaling.opt_states.get(id(optimizer)) if session is not None else None
     if state is None or "apex" not in session.extensions or not state.last_skipped:
         return
-    scaler = state.doomed_by if state.doomed_by is not None else session.scaler(0)
+    scaler = state.doomed_by if state.doomed_by is not None else session.scaling.scaler(0)
     state.doomed_by = None
     maybe_print(f"Gradient overflow.  Skipping step, loss scaler {scaler.loss_id} reducing loss scale to "
                 f"{scaler.scale}", _verbosity(session))
@@ -102,7 +102,7 @@ def install(session):
     """Print Apex's overflow line after each skipped step of ``session``'s optimizers (idempotent; the hooks
     go with the session: their removal is on ``session.undo``)."""
     hooked = session.extensions.setdefault("apex_printing", set())  # ids of the optimizers with the hook
-    for key, state in session.opt_states.items():
+    for key, state in session.scaling.opt_states.items():
         if key not in hooked:
             hooked.add(key)
             session.undo.append(state.optimizer.register_step_post_hook(_after_step).remove)

@@ -23,6 +23,7 @@ import torch
 
 from ..config.opt_levels import resolve
 from ..errors import UsageError
+from ..scaling.stages import Grads
 from ..session import state as _state
 from ..session.api import _check_incoming_fp32, deinitialize
 from ..session.api import initialize as _initialize
@@ -111,8 +112,8 @@ def _as_list(objs):
 
 
 def _check_nothing_pending(session):
-    for state in session.opt_states.values():
-        if state.in_scale_loss or state.pending_scaler is not None:
+    for state in session.scaling.opt_states.values():
+        if state.in_scale_loss or state.grads is Grads.SCALED:
             raise UsageError(f"amp.initialize() called again while the {type(state.optimizer).__name__} "
                              "optimizer has scaled gradients waiting for step() (inside scale_loss, or after a "
                              "delay_unscale=True exit); call optimizer.step() (or optimizer.zero_grad()) first, "
@@ -129,7 +130,7 @@ def _union(session, new_models, new_optimizers):
     new_params = {id(p) for opt in new_optimizers for group in opt.param_groups for p in _model_params(group)}
     new_ids = {id(opt) for opt in new_optimizers}
     kept = []
-    for state in session.opt_states.values():
+    for state in session.scaling.opt_states.values():
         opt = state.optimizer
         if id(opt) in new_ids:
             continue

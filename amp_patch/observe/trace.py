@@ -233,5 +233,5 @@ def trace(modules=True, unpatched=True):
 def _retrace(engine, tracer):
     engine.retrace(tracer)
     session = _state.current()
-    if session is not None and session.engine is engine:
+    if session is not None and session.casting.engine is engine:
         session.refresh_early_bound()

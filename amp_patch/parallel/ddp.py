@@ -110,7 +110,7 @@ def _master_pairs():
     if session is None or not session.enabled:
         raise UsageError("amp_patch.parallel.ddp.broadcast_master_params() needs an initialized session; call "
                          "amp_patch.initialize(...) first, then wrap the model in DistributedDataParallel")
-    return [(state, model_p, master) for state in session.opt_states.values()
+    return [(state, model_p, master) for state in session.scaling.opt_states.values()
             for model_p, master in state.public_pairs()]
 
 
@@ -171,7 +171,7 @@ def check_unscale_inside_no_sync(model, delay_unscale):
 
 
 def track_no_sync(session):
-    """Patch ``DistributedDataParallel.no_sync`` to count, in ``session.no_sync_depth``, the open ``no_sync()``
+    """Patch ``DistributedDataParallel.no_sync`` to count, in ``session.parallel.no_sync_depth``, the open ``no_sync()``
     regions; the undo goes on ``session.undo`` before the patch is installed (a Ctrl-C in between leaves nothing).
 
     Under master weights a non-delayed ``scale_loss`` exit would move the local grads out of ``param.grad``
@@ -224,7 +224,7 @@ def _broadcast_module_masters(ddp, session):
     model params the half values the session's rounding rule gives (remainder masters: split, as they store)."""
     ignored = getattr(ddp, "parameters_to_ignore", set())
     wanted = {id(p) for name, p in ddp.module.named_parameters() if name not in ignored}
-    pairs = [(state, model_p, master) for state in session.opt_states.values()
+    pairs = [(state, model_p, master) for state in session.scaling.opt_states.values()
              for model_p, master in state.public_pairs() if id(model_p) in wanted]
     if not pairs:
         return
@@ -244,11 +244,11 @@ def _counting_no_sync(original, session):
     @contextlib.contextmanager
     def no_sync(self):
         with original(self):
-            session.no_sync_depth += 1
+            session.parallel.no_sync_depth += 1
             try:
                 yield
             finally:
-                session.no_sync_depth -= 1
+                session.parallel.no_sync_depth -= 1
 
     return no_sync
 
@@ -277,15 +277,15 @@ def fsdp_accumulating(session, scaler, loss_id):
 
     Those grads carry the scale of the loss that produced them and amp_patch cannot rescale them there, so one
     accumulation must use one loss id (refused otherwise)."""
-    off = any(not group.reduce_grads for group in session.fsdp_groups)
-    held = session.fsdp_held
+    off = any(not group.reduce_grads for group in session.parallel.fsdp_groups)
+    held = session.parallel.fsdp_held
     if held is not None and held[0] is not scaler:
         raise UsageError(f"scale_loss(..., loss_id={loss_id}) while FSDP2 holds gradients that micro-batches under "
                          f"set_requires_gradient_sync(False) accumulated from loss_id={held[1]}; they are scaled "
                          "by that loss's scale inside FSDP2, where amp_patch cannot rescale them. Use one loss_id "
                          "for the micro-batches of one accumulation (or scale their sum: scale_loss(loss0 + loss1, "
                          "optimizer)), or sync before switching loss ids.")
-    session.fsdp_held = (scaler, loss_id) if off else None
+    session.parallel.fsdp_held = (scaler, loss_id) if off else None
     return off
 
 

@@ -4,19 +4,35 @@ The user's optimizer keeps its class. amp_patch attaches only removable step
 pre/post hooks (the official extension points) and, under master weights,
 swaps the half model params in ``param_groups`` for fp32 masters, as Apex did.
 
-State machine per optimizer (per iteration)::
+Two stages per optimizer (named in :mod:`.stages`), changed only by the transitions named here. Where the grads
+stand, ``grads`` (``pending``: the :class:`~.stages.Scaled` data while ``SCALED``, else None)::
 
-    UNSCALED --scale_loss entry--> SCALED(scaler)     (grads already in param.grad are rescaled in place)
-    SCALED --exit with delay_unscale--> SCALED        (left scaled; the next exit or step() finishes)
-    SCALED --exit--> UNSCALED                          (unscaled, O2: into the fp32 master grads; overflow?)
-    UNSCALED --step()--> UNSCALED                      (skipped if an overflow was seen since the last step,
-                                                        else O2 copies the masters into the model)
+    UNSCALED  --scale_loss entry (before_backward)--> SCALED(s)   grads already in param.grad brought to s's scale
+    SCALED(s) --entry, same scaler s--> SCALED(s)                  nothing to do
+    SCALED(r) --entry, scaler s--> SCALED(s, inf_seen)            r's grads unscaled first (or, unreduced: inside
+                                                                   DDP no_sync(), rescaled in place to s's scale)
+    SCALED    --exit with delay_unscale--> SCALED                 left scaled; the next exit or step() finishes
+    SCALED    --exit (after_backward)--> UNSCALED                 unscaled (two-copy O2: into the fp32 master
+                                                                   grads); overflow = found now or inf_seen
+    SCALED    --step() (_finish_delayed)--> UNSCALED              a delayed (or raised) exit finished, scaler updated
+    any       --zero_grad() (on_zero_grad)--> UNSCALED            the pending scale is forgotten
+
+What the coming step does, ``next_step``::
+
+    READY  --an overflow counted (doom)--> DOOMED                 at an exit (protocol), or step()'s delayed finish
+    DOOMED --scale_loss entry finding no grad (_pardon)--> READY  grads cleared since the overflow (model.zero_grad())
+    DOOMED --step() (_take_step)--> READY                         the step is skipped
+    READY  --step() (_take_step)--> READY                         it runs (two-copy O2: masters copied to the model)
+    any    --zero_grad() (_forget_fate)--> READY
+
+An overflow in a closure's backward inside ``step()`` (``stepping``) cannot skip that step any more: its grads
+become zeros and the step is reported skipped (``closure_overflow``), the next step is not doomed for it.
 
 A skipped step hides every gradient of the optimizer (sets it to None) for the
 duration of ``step()``, so no parameter and no optimizer state (momentum, Adam
 moments and step counts) changes, and LR schedulers still see a real call.
 
-``optimizer.zero_grad()`` (see ``frontend._guard_zero_grad``) also clears what amp_patch keeps beside the
+``optimizer.zero_grad()`` (see ``session.api._guard_zero_grad``) also clears what amp_patch keeps beside the
 optimizer's own grads: the half model grads under master weights and the pending scale, so after a failed
 batch ``zero_grad()`` forgets it exactly as it would without amp_patch.
 """
@@ -24,18 +40,18 @@ import threading
 
 import torch
 
-from ..config.dtypes import HALF_DTYPES
 from ..errors import UsageError
-from ..model.transform import carry_edits
 from ..parallel import ddp as distributed
 from . import unscaled
 from .foreign_grads import ForeignGrads
+from .masters import MasterWeights
 from .remainder import Fp32Masters
+from .stages import DOOMED, READY, SCALED, UNSCALED, NextStepStage, Scaled
 from .state_casts import cast_state_to_params, uncast_state
 from .unscale import unscale_
 
 
-class OptimizerState(ForeignGrads):
+class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
     """What amp_patch tracks for one optimizer passed to ``initialize``."""
 
     def __init__(self, optimizer, *, master_weights, fp32_data=None, storage=None, attach=True,
@@ -50,14 +66,10 @@ class OptimizerState(ForeignGrads):
         self.pairs = []  # (model param, fp32 master)
         self._master_of = {}
         self._master_ids = set()
-        self.skip_next = False
-        self.doomed_by = None  # the scaler whose overflow dooms the coming step (Apex's message names its loss)
+        self._init_next_step()  # next_step (READY / DOOMED), doomed_by, last_skipped
+        self.pending = None  # the Scaled data while the grads are SCALED (see the grads property)
         self.set_aside = []  # (param, unscaled grad) until the unscaling exit (before_backward)
-        self.last_skipped = False
-        self.pending_scaler = None  # param grads are currently scaled by this scaler (inside scale_loss, or delayed)
-        self.pending_inf = False
-        self.unreduced = False  # pending grads came from inside DDP no_sync(): they stay in param.grad until reduced
-        self.masters_stale = False
+        self.masters_stale = False  # after a step: the next unscale writes the master grads instead of adding
         self.undo_updates = {}  # scaler -> memento before this step's updates (None: an overflow, kept)
         self.engine = None  # the session's casting engine (O1): paused during step()
         self.in_scale_loss = False  # an open scale_loss block names this optimizer (nesting is refused)
@@ -82,57 +94,6 @@ class OptimizerState(ForeignGrads):
         except BaseException:
             self.restore()
             raise
-
-    # -- master weights -------------------------------------------------------------------------
-    def _sync_groups(self, fp32_data=None):
-        """Give half params in (new) param groups an fp32 master; cheap when no group was added."""
-        groups = self.optimizer.param_groups
-        if not self.master_weights or len(groups) == self._known_groups:
-            return
-        if self._known_groups and not self.storage.persistent:
-            raise UsageError(f"{type(self.optimizer).__name__}.add_param_group() after initialize(master_weights="
-                             "'remainder'): the remainder masters are set up once, at initialize. Build the "
-                             "optimizer with every param group before initialize, or use master_weights=True")
-        for group in groups[self._known_groups:]:
-            params = group["params"]
-            for i, p in enumerate(params):
-                if p.dtype in HALF_DTYPES and id(p) not in self._master_of:
-                    params[i] = self._make_master(p, (fp32_data or {}).get(id(p)))
-        self._known_groups = len(groups)
-        self._param_count = sum(len(g["params"]) for g in groups)
-
-    def _make_master(self, param, data):
-        data = data if data is not None else param.detach().float()
-        master = torch.nn.Parameter(data, requires_grad=param.requires_grad)
-        state = self.optimizer.state
-        if param in state:
-            state[master] = state.pop(param)
-        self.pairs.append((param, master))
-        self._master_of[id(param)] = master
-        self._master_ids.add(id(master))
-        self.storage.adopt(param, master)
-        return master
-
-    def masters_by_model_param(self):
-        """id(model param) -> its master as state_dict()/deinitialize/the DDP helpers read and write it."""
-        return {id(p): self.storage.public(p, m) for p, m in self.pairs}
-
-    def public_pairs(self):
-        """(model param, master as masters_by_model_param gives it) for every half param."""
-        return [(p, self.storage.public(p, m)) for p, m in self.pairs]
-
-    def to_model(self, model_p, public_master):
-        """The half value ``model_p`` gets from its master (the session's rounding rule)."""
-        return self.storage.to_model(model_p, public_master)
-
-    def out_of_sync(self, model_p, public_master):
-        """Does ``model_p`` no longer hold what its master gives it (e.g. DDP broadcast rank 0's weights)?"""
-        return self.storage.out_of_sync(model_p, public_master)
-
-    def master_params(self):
-        self._sync_groups()
-        for group in self.optimizer.param_groups:
-            yield from group["params"]
 
     def _any_grad(self):
         return any(p.grad is not None for group in self.optimizer.param_groups for p in group["params"]) or any(
@@ -162,23 +123,45 @@ class OptimizerState(ForeignGrads):
         self.claim()
         unscaled.note_scaled(self)
         self.check_foreign("scale_loss")
-        if self.skip_next and not self._any_grad():
-            self.skip_next = False  # grads cleared (e.g. model.zero_grad()) after an overflow: nothing to skip
-        if self.pending_scaler is scaler:
+        if self.next_step is DOOMED:
+            self._pardon()
+        pending = self.pending
+        if pending is None:
+            self._bring_to(scaler, unreduced=in_place)
+            self.pending = Scaled(scaler, in_place)
             return
-        self.unreduced |= in_place
-        if self.pending_scaler is not None and self.unreduced:
-            self.pending_inf |= self._rescale_in_place(self.pending_scaler, scaler)
-            self.pending_scaler = scaler
+        if pending.scaler is scaler:
             return
-        if self.pending_scaler is not None:
-            self.pending_inf |= self._unscale(self.pending_scaler)
-        if distributed.world_size() == 1 and not self.unreduced and (self.skip_next or scaler.scale != 1.0):
-            self._set_aside_grads(every=self.skip_next)
+        pending.unreduced |= in_place
+        if pending.unreduced:
+            pending.inf_seen |= self._rescale_in_place(pending.scaler, scaler)
+        else:
+            pending.inf_seen |= self._unscale(pending.scaler)
+            self._bring_to(scaler, unreduced=False)
+        pending.scaler = scaler
+
+    @property
+    def grads(self):
+        """The :class:`~.stages.Grads` stage: SCALED while ``pending`` holds its data."""
+        return UNSCALED if self.pending is None else SCALED
+
+    def adopt_scaled(self, scaler):
+        """The grads now in param.grad carry ``scaler``'s scale (a backward run outside scale_loss): SCALED(scaler),
+        as a scale_loss entry would leave it (attach_optimizers' ``unscale_loss_id``)."""
+        if self.pending is None:
+            self.pending = Scaled(scaler)
+        else:
+            self.pending.scaler = scaler
+
+    def _bring_to(self, scaler, unreduced):
+        """Unscaled grads in param.grad get ``scaler``'s scale (single process: half grads, and after an overflow
+        every grad, are set aside instead, see before_backward)."""
+        doomed = self.next_step is DOOMED
+        if distributed.world_size() == 1 and not unreduced and (doomed or scaler.scale != 1.0):
+            self._set_aside_grads(every=doomed)
         grads = [p.grad for p in self._grad_params() if p.grad is not None]
         if grads and scaler.scale != 1.0:
             _rescale(grads, scaler.scale)
-        self.pending_scaler = scaler
 
     def _set_aside_grads(self, every):
         """Set the (unscaled) half grads accumulated so far aside until the unscaling exit (see before_backward),
@@ -200,8 +183,8 @@ class OptimizerState(ForeignGrads):
         """Leaving scale_loss: unscale (unless delayed) and return whether grads overflowed."""
         if delay_unscale:
             return False
-        found = self._unscale(scaler) or self.pending_inf
-        self.pending_scaler, self.pending_inf, self.unreduced = None, False, False
+        found = self._unscale(scaler) or (self.pending is not None and self.pending.inf_seen)
+        self.pending = None
         self._restore_set_aside()
         if found and self.stepping:  # a closure inside step(): the step cannot be skipped any more, so the
             self._zero_grads()       # overflowed grads become zeros and the step is reported skipped
@@ -272,13 +255,13 @@ class OptimizerState(ForeignGrads):
         self.undo_updates.clear()
         for model_p, _ in self.pairs:
             model_p.grad = None
-        self.pending_scaler, self.pending_inf, self.skip_next, self.foreign = None, False, False, None
-        self.set_aside, self.doomed_by = [], None
-        self.own_exit, self.unreduced = None, False
+        self.pending, self.foreign = None, None
+        self._forget_fate()
+        self.set_aside, self.own_exit = [], None
 
     def _check_backward_outside(self):
         """Master weights: half model grads with no scale_loss pending come from a plain ``loss.backward()``."""
-        if self.pending_scaler is None and any(p.grad is not None for p, _ in self.pairs):
+        if self.pending is None and any(p.grad is not None for p, _ in self.pairs):
             raise UsageError(f"{type(self.optimizer).__name__}.step(): the half model params have gradients that "
                              "no amp_patch.scale_loss() block produced (a plain loss.backward()?); under master "
                              "weights (O2) those never reach the fp32 weights. Run backward inside "
@@ -296,25 +279,28 @@ class OptimizerState(ForeignGrads):
         unscaled.check_step(self, closure)
         if self.engine is not None and closure is None:  # a closure runs a forward: keep casting for it
             self.engine.pause_for_step()
-        if self.pending_scaler is not None:  # the last backward was delayed (or raised): finish it now
-            scaler = self.pending_scaler
-            found = distributed.agree_overflow(self.after_backward(scaler, False))
-            memento = scaler.memento()
-            if scaler.update(found):
-                self.skip_next = True
-            self.note_update(scaler, memento, found)
-        self.last_skipped = self.skip_next
-        self.skip_next = False
+        if self.pending is not None:  # the last backward was delayed (or raised): finish it now
+            self._finish_delayed(self.pending.scaler)
+        skipped = self._take_step()
         self.stepping += 1
         self._check_groups_unchanged()
         self.storage.before_step(self.pairs)
-        if self.last_skipped:
+        if skipped:
             self.set_aside = []
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None
             for model_p, _ in self.pairs:
                 model_p.grad = None
+
+    def _finish_delayed(self, scaler):
+        """SCALED -> UNSCALED inside step(): unscale, agree on overflow across ranks, update ``scaler`` (DOOMED
+        when it says so)."""
+        found = distributed.agree_overflow(self.after_backward(scaler, False))
+        memento = scaler.memento()
+        if scaler.update(found):
+            self.doom()
+        self.note_update(scaler, memento, found)
 
     def _post_step(self, optimizer, args, kwargs):
         self.busy.pop(threading.get_ident(), None)
@@ -323,37 +309,10 @@ class OptimizerState(ForeignGrads):
             self.engine.resume_after_step()
         self.stepping = max(self.stepping - 1, 0)
         if self.closure_overflow:  # (the scaler backed off already; the next step is not skipped for it)
-            self.last_skipped, self.skip_next, self.closure_overflow = True, False, False
+            self.last_skipped, self.next_step, self.closure_overflow = True, READY, False
         self.storage.after_step(self.pairs, self.last_skipped)
         self._clear_master_grads()
         self.masters_stale = bool(self.pairs)
-
-    def _clear_master_grads(self):
-        """After every step the fp32 master grads go (as in Apex): model-side zeroing (``p.grad = None`` on the
-        model's params, ``model.zero_grad()``) never reaches them, so a master whose half param gets no grad
-        in the next iteration's first backward would otherwise add the last iteration's grad."""
-        for _, master in self.pairs:
-            master.grad = None
-
-    def _carry_edits(self, strict=True):
-        """In-place edits of the half model since the last copy reach the masters (fp32 masters elementwise;
-        remainder masters per param: see ``RemainderMasters.carry_edit``)."""
-        if self.storage.persistent:
-            carry_edits(self.pairs, strict, self.storage.to_model)
-            return
-        for model_p, master in self.pairs:
-            self.storage.carry_edit(model_p, master)
-
-    def _check_groups_unchanged(self):
-        """Remainder masters: refuse param groups whose params changed since initialize (cheap: counts)."""
-        if self.storage.persistent or not self.pairs:
-            return
-        count = sum(len(g["params"]) for g in self.optimizer.param_groups)
-        if count != self._param_count:
-            raise UsageError(f"{type(self.optimizer).__name__}.param_groups hold {count} params, but "
-                             f"{self._param_count} at initialize(master_weights='remainder'); the remainder "
-                             "masters are set up once. Build the optimizer with every param before initialize, "
-                             "or use master_weights=True")
 
     # -- teardown -------------------------------------------------------------------------------
     def restore(self):
@@ -363,7 +322,7 @@ class OptimizerState(ForeignGrads):
             self._handles.pop()
         self._carry_edits(strict=False)  # (a clip after the last step is kept: deinitialize gives the masters)
         uncast_state(self.state_casts)
-        if self.pending_scaler is not None:  # an interrupted batch left its grads multiplied by the loss scale
+        if self.pending is not None:  # an interrupted batch left its grads multiplied by the loss scale
             for p in self._grad_params():
                 p.grad = None
         state = self.optimizer.state

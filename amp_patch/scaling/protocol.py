@@ -9,6 +9,7 @@ from ..errors import ConfigError, UsageError
 from ..observe.overflow import bad_grads, skip_cause
 from ..parallel import ddp as distributed
 from ..session import state as _state
+from .stages import DOOMED
 
 
 def _optimizer_list(optimizers):
@@ -81,24 +82,24 @@ def _begin(session, loss, optimizers, loss_id, model, delay_unscale):
 
     Returns ``(scaler, states, delay_unscale)``: inside DDP ``no_sync()`` under master weights the exit is delayed."""
     _check_loss(loss)
-    scaler = session.scaler(loss_id)
-    states = [session.state_for(opt) for opt in _optimizer_list(optimizers)]
+    scaler = session.scaling.scaler(loss_id)
+    states = [session.scaling.state_for(opt) for opt in _optimizer_list(optimizers)]
     _check_not_nested(states)
-    if session.engine is not None:
-        session.engine.resume_after_step()
-        session.engine.forget_forwards()  # the loss's forward is over (one that raised left its mark)
-    if session.no_sync_depth and any(state.pairs for state in states):
+    if session.casting.engine is not None:
+        session.casting.engine.resume_after_step()
+        session.casting.engine.forget_forwards()  # the loss's forward is over (one that raised left its mark)
+    if session.parallel.no_sync_depth and any(state.pairs for state in states):
         delay_unscale = True  # inside DDP no_sync(): master grads must wait for the synced backward's reduction
-    if session.fsdp_groups and distributed.fsdp_accumulating(session, scaler, loss_id):
+    if session.parallel.fsdp_groups and distributed.fsdp_accumulating(session, scaler, loss_id):
         delay_unscale = True  # FSDP2 set_requires_gradient_sync(False): the grads are not in param.grad yet
     if model is not None and any(state.pairs for state in states):
         distributed.check_unscale_inside_no_sync(model, delay_unscale)
-    if not session.masters_checked:
-        session.masters_checked = True
-        distributed.check_not_sharded_since_initialize(session.unsharded_models)
+    if not session.parallel.masters_checked:
+        session.parallel.masters_checked = True
+        distributed.check_not_sharded_since_initialize(session.parallel.unsharded_models)
         _warn_if_masters_diverged(states)
     for state in states:
-        state.before_backward(scaler, in_place=bool(session.no_sync_depth))
+        state.before_backward(scaler, in_place=bool(session.parallel.no_sync_depth))
     return scaler, states, delay_unscale
 
 
@@ -117,9 +118,9 @@ def check_idle_elsewhere(session):
     session model (O1), a scale_loss block or an optimizer step of this session (it would finish half under
     amp_patch and half not: raw dtype errors). A thread that starts one just after this check is not stopped."""
     here, alive = threading.get_ident(), {t.ident: t for t in threading.enumerate()}
-    busy = [state.busy for state in session.opt_states.values()]
-    if session.engine is not None:
-        busy.append(dict.fromkeys(list(session.engine.forwards), "a forward of a model"))
+    busy = [state.busy for state in session.scaling.opt_states.values()]
+    if session.casting.engine is not None:
+        busy.append(dict.fromkeys(list(session.casting.engine.forwards), "a forward of a model"))
     for found in busy:
         for ident, what in list(found.items()):
             if ident != here and ident in alive:
@@ -146,7 +147,7 @@ def _note_grads_written(session, states, others, loss_id):
     for state, snapshot in others:
         state.note_foreign(snapshot, loss_id)
     ident = threading.get_ident()
-    if any(state.in_scale_loss and state.used_by(ident) for state in session.opt_states.values()):
+    if any(state.in_scale_loss and state.used_by(ident) for state in session.scaling.opt_states.values()):
         for state in states:
             state.own_exit = state.grad_snapshot()
 
@@ -154,7 +155,7 @@ def _note_grads_written(session, states, others, loss_id):
 def _foreign_snapshots(session, states):
     """Optimizers of the session not passed to this scale_loss: what their grads are before this backward."""
     passed, ident = {id(state) for state in states}, threading.get_ident()
-    return [(state, state.grad_snapshot()) for state in session.opt_states.values()
+    return [(state, state.grad_snapshot()) for state in session.scaling.opt_states.values()
             if id(state) not in passed and state.used_by(ident)]
 
 
@@ -183,7 +184,7 @@ class _BackwardProbe:
 
 
 def _quiet(session):
-    return session.engine.casts_disabled() if session.engine is not None else contextlib.nullcontext()
+    return session.casting.engine.casts_disabled() if session.casting.engine is not None else contextlib.nullcontext()
 
 
 def _warn_if_masters_diverged(states):
@@ -210,7 +211,7 @@ def _counts(session, scaler, states, found_inf):
     Under Apex's API every exit counts (Apex's ``update_scale`` per exit: one back-off per overflowing
     micro-batch, the clean ones counted). Under DDP an exit in a doomed step counts nothing (both APIs): its check
     saw the whole accumulation (OptimizerState.before_backward), so an earlier loss's inf would count again."""
-    if not states or not all(state.skip_next for state in states):
+    if not states or not all(state.next_step is DOOMED for state in states):
         return True
     if distributed.world_size() > 1:
         return False
@@ -222,8 +223,7 @@ def _counts(session, scaler, states, found_inf):
 def _mark_skipped(states, scaler):
     """The coming step of each optimizer is skipped, doomed by ``scaler``'s overflow (unless already doomed)."""
     for state in states:
-        if not state.skip_next:
-            state.skip_next, state.doomed_by = True, scaler
+        state.doom(by=scaler)
 
 
 def _unscaled_apex(session, scaler):
@@ -243,21 +243,22 @@ def _finish_step(session, scaler, loss_id, states, found_inf, loss=None):
     if not _counts(session, scaler, states, found_inf):
         return
     before, memento = scaler.scale, scaler.memento()
-    warming_up = session.history is not None and session.history.warming_up(loss_id, scaler)
+    observe = session.observe
+    warming_up = observe.history is not None and observe.history.warming_up(loss_id, scaler)
     skip = scaler.update(found_inf)
     for state in states:
         state.note_update(scaler, memento, found_inf)
     if skip:
         _mark_skipped(states, scaler)
     overflow = None
-    if session.diagnoser is not None:
+    if observe.diagnoser is not None:
         if found_inf:
-            overflow = session.last_overflow = session.diagnoser.record(loss_id, before, session.masters())
+            overflow = observe.last_overflow = observe.diagnoser.record(loss_id, before, session.scaling.masters())
         else:
-            session.diagnoser.reset()
-    if session.history is not None:
+            observe.diagnoser.reset()
+    if observe.history is not None:
         cause = (None, None)
         if skip:
             cause = skip_cause(loss, overflow, warming_up, before,
-                               lambda: bad_grads(session.models, session.masters()))
-        session.history.add(loss_id, before, scaler.scale, skip, overflow, scaler, cause)
+                               lambda: bad_grads(session.models, session.scaling.masters()))
+        observe.history.add(loss_id, before, scaler.scale, skip, overflow, scaler, cause)

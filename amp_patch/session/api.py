@@ -83,10 +83,10 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     table = _check_the_rest(props, history_size, op_lists, model_list)
     session = Session(props)
     session.grad_enabled = torch.is_grad_enabled()  # what undoing a failed (or interrupted) initialize leaves
-    session.fsdp_groups = fsdp_groups
+    session.parallel.fsdp_groups = fsdp_groups
     try:
         _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks)
-        session.unsharded_models = unsharded
+        session.parallel.unsharded_models = unsharded
         _set_up_diagnostics(session, model_list, diagnose_overflow, history_size)
         _log_configuration(props, verbosity)
         _commit(session)
@@ -117,7 +117,7 @@ def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_
     _guard_zero_grad(session)
     _warn_clipping_model_params(session)
     _link_masters(session)
-    session.scalers = scalers
+    session.scaling.scalers = scalers
     _install_casting(session, table, allow_banned)
     _reach_early_bound(session, model_list)
     _attach_scopes(session, model_list)
@@ -126,9 +126,9 @@ def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_
 
 def _commit(session):
     """The session becomes the active one; the models stop keeping their pre-initialize fp32 values."""
-    _state.activate(session, session.engine)
+    _state.activate(session, session.casting.engine)
     session.grad_enabled = None  # deinitialize leaves the grad mode it is called in
-    for patch in session.model_patches:
+    for patch in session.casting.model_patches:
         patch.commit()
 
 
@@ -147,7 +147,7 @@ def _abandon(session):
 def _guard_zero_grad(session):
     """``optimizer.zero_grad()`` also clears the half model grads (O2) and the pending scale (all levels), so
     after a failed batch it forgets that batch as it would without amp_patch (Apex patched each optimizer)."""
-    if not session.opt_states:
+    if not session.scaling.opt_states:
         return
     patcher = Patcher()
 
@@ -155,17 +155,17 @@ def _guard_zero_grad(session):
         @functools.wraps(original)
         def zero_grad(self, *args, **kwargs):
             result = original(self, *args, **kwargs)
-            state = session.opt_states.get(id(self))
+            state = session.scaling.opt_states.get(id(self))
             if state is not None and state.optimizer is self:
                 state.on_zero_grad()
-                if session.engine is not None:  # a step() that raised left O1 casting paused in this thread
-                    session.engine.resume_after_step()
+                if session.casting.engine is not None:  # a step() that raised left O1 casting paused in this thread
+                    session.casting.engine.resume_after_step()
             return result
         return zero_grad
 
     session.undo.append(patcher.restore_all)  # first: an interrupt right after install leaves nothing behind
     patcher.install(torch.optim.Optimizer, "zero_grad", make)
-    for state in session.opt_states.values():
+    for state in session.scaling.opt_states.values():
         if state.pairs and type(state.optimizer).zero_grad is not torch.optim.Optimizer.zero_grad:
             log.warning("%s overrides zero_grad(); after a failed batch also call model.zero_grad() "
                         "to clear the half model grads", type(state.optimizer).__name__)
@@ -195,7 +195,7 @@ def _prepare_models(session, models):
         guards.install()
     for model in models:
         patch = ModelPatch(model)
-        session.model_patches.append(patch)
+        session.casting.model_patches.append(patch)
         session.undo.append(lambda patch=patch: patch.restore(_restore_values(session, patch)))
         fp32_data.update(patch.cast(props.cast_model_type, keep, params=not copies))
         patch.cast_io(props.cast_model_type, props.cast_model_outputs or torch.float32, keep,
@@ -206,7 +206,7 @@ def _prepare_models(session, models):
 def _restore_values(session, patch):
     """What the cast params get back at deinitialize: their masters, else the fp32 values kept for
     attach_optimizers (a session with no optimizer, e.g. Lightning's validate), on the param's device."""
-    values = {**session.fp32_data, **session.masters()}
+    values = {**session.fp32_data, **session.scaling.masters()}
     return {pid: values[pid].to(param.device) for pid, (param, _) in patch.original_dtypes.items() if pid in values}
 
 
@@ -225,7 +225,7 @@ def _attach_optimizers(session, optimizers, fp32_data):
                                fp32_data=fp32_data, storage=make_storage(props.master_storage, props.master_rounding),
                                unscaled_warning=_trains_unscaled(props),
                                attach=False)
-        session.opt_states[id(opt)] = state
+        session.scaling.opt_states[id(opt)] = state
         session.undo.append(state.restore)  # before attach: an interrupt inside it is undone too
         state.attach(fp32_data)
 
@@ -233,9 +233,9 @@ def _attach_optimizers(session, optimizers, fp32_data):
 def _link_masters(session):
     """state_dict()/load_state_dict() use the masters, or the kept fp32 data of params no optimizer holds yet
     (called again by attach_optimizers: the later hooks, with the masters, decide)."""
-    masters = session.masters()
+    masters = session.scaling.masters()
     to_model = _model_rounding(session)
-    for patch in session.model_patches:
+    for patch in session.casting.model_patches:
         patch.link_state_dict({**session.fp32_data, **masters}, to_model)
     if masters:
         distributed.track_no_sync(session)
@@ -245,7 +245,7 @@ def _link_masters(session):
 def _model_rounding(session):
     """For loading a model state_dict: the half value a param gets from its master, by its optimizer's rule
     (None when every master is rounded as torch casts: the loaded value is then cast by torch itself)."""
-    states = [s for s in session.opt_states.values() if s.pairs]
+    states = [s for s in session.scaling.opt_states.values() if s.pairs]
     if all(s.storage.persistent and s.storage.rounding == "nearest" for s in states):
         return None
     owner = {id(p): s for s in states for p, _ in s.pairs}
@@ -260,39 +260,39 @@ def _install_casting(session, table, allow_banned):
         log.info("%d op-list entr%s skipped on torch %s: %s", len(table.skipped),
                  "y" if len(table.skipped) == 1 else "ies", torch.__version__,
                  "; ".join(f"{s.entry.qualname} ({s.entry.path}:{s.entry.line}: {s.reason})" for s in table.skipped))
-    session.engine = CastingEngine(table, half_dtype=props.half_dtype, allow_banned=allow_banned,
-                                   registrations=REGISTRY.take(), activation=_state.ACTIVATION)
-    session.undo.append(session.engine.uninstall)
-    session.engine.install()
-    session.undo.append(data_loading.install(session.engine))
-    session.undo.append(module_compat.relax_rnn_input_check(session.engine))
-    for state in session.opt_states.values():
-        state.engine = session.engine
+    engine = session.casting.engine = CastingEngine(table, half_dtype=props.half_dtype, allow_banned=allow_banned,
+                                                    registrations=REGISTRY.take(), activation=_state.ACTIVATION)
+    session.undo.append(engine.uninstall)
+    engine.install()
+    session.undo.append(data_loading.install(engine))
+    session.undo.append(module_compat.relax_rnn_input_check(engine))
+    for state in session.scaling.opt_states.values():
+        state.engine = engine
 
 
 def _reach_early_bound(session, models):
-    if session.engine is None:
+    if session.casting.engine is None:
         return
     session.models = models
     session.refresh_early_bound()
-    session.undo.append(session.drop_early_bound)
-    session.unreachable = early_bound.scan_globals(models, session.engine)
+    session.undo.append(session.casting.drop_early_bound)
+    session.unreachable = early_bound.scan_globals(models, session.casting.engine)
 
 
 def _attach_scopes(session, models):
     """Module-scoped op lists (the op list's ``scopes:``) apply inside the models' matching modules."""
-    if session.engine is not None:
-        session.engine.attach_scopes(models)
+    if session.casting.engine is not None:
+        session.casting.engine.attach_scopes(models)
 
 
 def _guard_step_pause(session, models):
     """O1 pauses casting inside optimizer.step() (its pre-hook); post-hooks do not run when step() raises, so the
     step of each optimizer class in the session ends the pause in a ``finally`` (a class-level patch, undone by
     deinitialize). Forwards of the models and scale_loss resume too."""
-    if session.engine is None:
+    engine = session.casting.engine
+    if engine is None:
         return
-    resume, begin_forward, end_forward = (session.engine.resume_after_step, session.engine.begin_forward,
-                                          session.engine.end_forward)
+    resume, begin_forward, end_forward = engine.resume_after_step, engine.begin_forward, engine.end_forward
     for model in models:  # (begin_forward also drops the cast cache: see casting.wrappers.CastCache)
         session.undo.append(module_compat.forward_pre_hook(model, CallOnForward(begin_forward)).remove)
         session.undo.append(module_compat.forward_hook(model, CallOnForward(end_forward)).remove)
@@ -308,24 +308,24 @@ def _guard_step_pause(session, models):
                 resume()
         return step
 
-    for cls in dict.fromkeys(type(state.optimizer) for state in session.opt_states.values()):
+    for cls in dict.fromkeys(type(state.optimizer) for state in session.scaling.opt_states.values()):
         if "step" in vars(cls):
             patcher.install(cls, "step", make)
 
 
 def _set_up_diagnostics(session, models, diagnose_overflow, history_size):
-    session.history = StepHistory(history_size)
+    session.observe.history = StepHistory(history_size)
     session.models = models  # (a skipped step's cause names the params with non-finite grads)
     if not diagnose_overflow:
         return
-    tracer = None
-    if session.engine is not None:  # the recording wrappers tell which op produced a bad output
+    tracer, engine = None, session.casting.engine
+    if engine is not None:  # the recording wrappers tell which op produced a bad output
         tracer = Tracer(modules=False, unpatched=False)
-        session.engine.retrace(tracer)
+        engine.retrace(tracer)
         session.refresh_early_bound()
-    session.diagnoser = OverflowDiagnoser(models, session.props.half_dtype, tracer,
-                                          quiet=session.engine.casts_disabled if session.engine else None)
-    session.undo.append(session.diagnoser.remove)
+    session.observe.diagnoser = OverflowDiagnoser(models, session.props.half_dtype, tracer,
+                                                  quiet=engine.casts_disabled if engine else None)
+    session.undo.append(session.observe.diagnoser.remove)
 
 
 def _log_configuration(props, verbosity):
@@ -370,40 +370,40 @@ def master_params(optimizer):
     session = _state.current_session("master_params")
     if not session.enabled:
         return iter([p for g in optimizer.param_groups for p in g["params"]])
-    return session.state_for(optimizer).master_params()
+    return session.scaling.state_for(optimizer).master_params()
 
 
 def last_step_skipped(optimizer):
     """True when the optimizer's last ``step()`` was skipped because of an overflow."""
     session = _state.current_session("last_step_skipped")
-    return session.state_for(optimizer).last_skipped if session.enabled else False
+    return session.scaling.state_for(optimizer).last_skipped if session.enabled else False
 
 
 def loss_scale(loss_id=0):
     """The current loss scale of ``loss_id`` (e.g. to unscale an autograd.grad gradient penalty)."""
     session = _state.current_session("loss_scale")
-    return session.scaler(loss_id).scale if session.enabled else 1.0
+    return session.scaling.scaler(loss_id).scale if session.enabled else 1.0
 
 
 def state_dict():
     """Every scaler's state: ``{"loss_scaler0": {...}, ...}`` (Apex's keys plus amp_patch's extras)."""
     session = _state.current_session("state_dict")
-    return state_dict_for(session.scalers) if session.enabled else {}
+    return state_dict_for(session.scaling.scalers) if session.enabled else {}
 
 
 def load_state_dict(state):
     """Restore the scalers from ``state_dict()`` output (Apex checkpoints load too)."""
     session = _state.current_session("load_state_dict")
     if session.enabled:
-        load_state_dict_into(session.scalers, state)
+        load_state_dict_into(session.scaling.scalers, state)
 
 
 def last_overflow():
     """The record of the last overflow seen with ``diagnose_overflow=True`` (None if none yet)."""
-    return _state.current_session("last_overflow").last_overflow
+    return _state.current_session("last_overflow").observe.last_overflow
 
 
 def history():
     """Per-step records (loss id, scale before/after, skipped, overflow record), oldest first."""
     session = _state.current_session("history")
-    return list(session.history.records) if session.history is not None else []
+    return list(session.observe.history.records) if session.observe.history is not None else []

@@ -64,7 +64,7 @@ class _MastersOf:
         self.session, self.count, self.table = session, -1, {}
 
     def current(self):
-        states = list(self.session.opt_states.values())
+        states = list(self.session.scaling.opt_states.values())
         count = sum(len(state.pairs) for state in states)
         if count != self.count:
             self.table = {id(param): master for state in states for param, master in state.pairs}

@@ -14,6 +14,7 @@ import torch
 from ..errors import UsageError
 from ..parallel import ddp as distributed
 from ..scaling.protocol import _finish_step, _quiet
+from ..scaling.stages import DOOMED
 from .api import _as_list, _attach_optimizers, _link_masters
 from .checks import _held, check_no_shared_params, check_step_hooks
 from .state import current_session
@@ -35,17 +36,17 @@ def attach_optimizers(optimizers, *, unscale_loss_id=None):
         return optimizers
     check_step_hooks(opt_list)
     for opt in opt_list:
-        if id(opt) in session.opt_states:
+        if id(opt) in session.scaling.opt_states:
             raise UsageError(f"this {type(opt).__name__} optimizer is already attached to the amp_patch session; "
                              "attach each optimizer once (initialize(model, opt) or attach_optimizers(opt))")
     attached = [(state.optimizer, [p for pair in state.pairs for p in pair] + _held(state.optimizer))
-                for state in session.opt_states.values()]
+                for state in session.scaling.opt_states.values()]
     check_no_shared_params(session.props, opt_list, session.models, attached)
     _follow_devices(session.fp32_data, opt_list)
     _attach_optimizers(session, opt_list, session.fp32_data)
-    states = [session.state_for(opt) for opt in opt_list]
+    states = [session.scaling.state_for(opt) for opt in opt_list]
     for state in states:
-        state.engine = session.engine
+        state.engine = session.casting.engine
     _link_masters(session)
     if unscale_loss_id is not None:
         _unscale_now(session, states, unscale_loss_id)
@@ -63,11 +64,11 @@ def _follow_devices(fp32_data, optimizers):
 
 
 def _unscale_now(session, states, loss_id):
-    scaler = session.scaler(loss_id)
+    scaler = session.scaling.scaler(loss_id)
     with _quiet(session):
         found_inf = False
         for state in states:
-            state.pending_scaler = scaler
+            state.adopt_scaled(scaler)
             found_inf |= state.after_backward(scaler, False)
         _finish_step(session, scaler, loss_id, states, distributed.agree_overflow(found_inf))
 
@@ -75,4 +76,4 @@ def _unscale_now(session, states, loss_id):
 def next_step_skipped(optimizer):
     """True when ``optimizer``'s next ``step()`` will be skipped (an overflow was found since its last step)."""
     session = current_session("next_step_skipped")
-    return session.enabled and session.state_for(optimizer).skip_next
+    return session.enabled and session.scaling.state_for(optimizer).next_step is DOOMED

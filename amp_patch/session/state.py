@@ -48,7 +48,7 @@ def deactivate():
     session, which has none): that region removes its own patches on exit."""
     with lock:
         session = _active["session"]
-        if session is None or _active["engine"] is getattr(session, "engine", None):
+        if session is None or _active["engine"] is session.casting.engine:
             _active["engine"] = None
         _active["session"] = None
 

@@ -97,7 +97,7 @@ def test_a_model_and_optimizer_passed_again_are_not_doubled():
     new = torch.optim.SGD(model.parameters(), lr=0.1)
     model, new = amp.initialize(model, new, opt_level="O2", loss_scale=8.0, verbosity=0)
     session = amp_patch.session.state.current()
-    assert session.models == [model] and [s.optimizer for s in session.opt_states.values()] == [new]
+    assert session.models == [model] and [s.optimizer for s in session.scaling.opt_states.values()] == [new]
     assert all(p.dtype is torch.float16 for g in old.param_groups for p in g["params"])  # old one: model params
     assert all(torch.equal(a, b) for a, b in zip(amp.master_params(new), trained))  # continues from the masters
     amp.deinitialize()
@@ -129,7 +129,7 @@ def test_refused_while_scaled_grads_wait_for_step():
         amp.initialize(D, optD, opt_level="O1", verbosity=0)
     optG.step()
     amp.initialize(D, optD, opt_level="O1", verbosity=0)
-    assert len(amp_patch.session.state.current().opt_states) == 2
+    assert len(amp_patch.session.state.current().scaling.opt_states) == 2
     amp.deinitialize()
 
 

@@ -33,7 +33,7 @@ def test_gnmt_sets_the_initial_scale_and_the_growth_interval(session):
     scaler = AMP_STATE.loss_scalers[0]
     scaler._loss_scale = 8192
     scaler._scale_seq_len = 4
-    assert amp_patch.session.state.current().scalers[0].hyperparameters["growth_interval"] == 4
+    assert amp_patch.session.state.current().scaling.scalers[0].hyperparameters["growth_interval"] == 4
     assert AMP_STATE.loss_scalers[0]._scale_seq_len == 4
     for _ in range(3):
         _step(model, optimizer)

@@ -35,7 +35,7 @@ def _backward(model, optimizer, scale_loss, bad, loss_id=0):
 
 
 def _counters(loss_id=0):
-    state = amp_patch.session.state.current().scalers[loss_id].state_dict()
+    state = amp_patch.session.state.current().scaling.scalers[loss_id].state_dict()
     return state["loss_scale"], state["unskipped"]
 
 

@@ -130,4 +130,4 @@ def test_attach_optimizers_refuses_an_optimizer_over_an_attached_param(together)
         amp_patch.attach_optimizers(o1)  # its params are the fp32 masters from now on
     with pytest.raises(amp_patch.ConfigError, match=r"two optimizers .*'weight'"):
         amp_patch.attach_optimizers([o1, o2] if together else o2)
-    assert len(_state.current().opt_states) == (0 if together else 1)
+    assert len(_state.current().scaling.opt_states) == (0 if together else 1)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import amp_patch
+from amp_patch.scaling.stages import Grads, NextStep
 
 POINTS = ("forward", "after_delayed", "before_backward", "after_backward", "sigint_backward", "step")
 LEVELS = [("O1", torch.float16), ("O1", torch.bfloat16), ("O2", torch.float16), ("O2", torch.bfloat16),
@@ -155,8 +156,8 @@ def test_o2_zero_grad_clears_the_half_model_grads_and_the_pending_scale():
     assert all(p.grad is not None and p.grad.dtype is torch.float32 for p in model.parameters())  # (the fp32 params')
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
-    state = amp_patch.session.state.current().state_for(opt)
-    assert state.pending_scaler is None and not state.skip_next
+    state = amp_patch.session.state.current().scaling.state_for(opt)
+    assert state.grads is Grads.UNSCALED and state.next_step is NextStep.READY
 
 
 def test_o1_casting_resumes_when_a_step_raises():

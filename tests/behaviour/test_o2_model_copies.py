@@ -184,7 +184,7 @@ def test_copies_with_diagnose_overflow_leave_the_session_alone(level):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=HALF, verbosity=0,
                                       diagnose_overflow=True)
-    diagnoser = amp_patch.session.state.current().diagnoser
+    diagnoser = amp_patch.session.state.current().observe.diagnoser
     loaded = pickle.loads(pickle.dumps(model))
     twin = copy.deepcopy(model)
     flags = len(diagnoser.flags)

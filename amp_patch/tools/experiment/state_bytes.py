@@ -28,7 +28,7 @@ def _session_masters():
     """The tensors the active session keeps beside the optimizer (remainder masters' int16 halves)."""
     session = _state.current()
     found = []
-    for opt_state in getattr(session, "opt_states", {}).values():
+    for opt_state in getattr(getattr(session, "scaling", None), "opt_states", {}).values():
         remainders = getattr(opt_state.storage, "remainders", None)
         if isinstance(remainders, dict):
             found += list(remainders.values())

@@ -14,6 +14,7 @@ from ....errors import ConfigError
 from ....parallel import ddp as distributed
 from ....scaling.optimizer_state import OptimizerState
 from ....scaling.scaler import LossScaler
+from ....scaling.stages import UNSCALED
 
 log = logging.getLogger("amp_patch")
 __all__ = ["FP16_Optimizer"]
@@ -73,12 +74,13 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
 
     def update_master_grads(self):
         """Unscale the model grads into the fp32 master grads; an inf/NaN sets ``overflow`` (the step is skipped)."""
-        if self._masters.pending_scaler is None:
+        if self._masters.grads is UNSCALED:
             return
         found = distributed.agree_overflow(self._masters.after_backward(self.loss_scaler, False))
         skip = self.loss_scaler.update(found)
         self.overflow = skip
-        self._masters.skip_next = self._masters.skip_next or skip
+        if skip:
+            self._masters.doom()
 
     def clip_master_grads(self, max_norm, norm_type=2):
         """Clip the fp32 master grads to ``max_norm``; returns their total norm (-1 when the step overflowed)."""

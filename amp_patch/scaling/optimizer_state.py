@@ -299,7 +299,7 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         found = distributed.agree_overflow(self.after_backward(scaler, False))
         memento = scaler.memento()
         if scaler.update(found):
-            self.doom()
+            self.doom(by=scaler)
         self.note_update(scaler, memento, found)
 
     def _post_step(self, optimizer, args, kwargs):

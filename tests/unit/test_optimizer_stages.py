@@ -73,3 +73,15 @@ def test_an_entry_that_finds_no_grad_pardons_a_doomed_step():
         scaled.backward()
     opt.step()
     assert not amp_patch.last_step_skipped(opt)
+
+
+def test_an_overflow_found_when_step_finishes_a_delayed_backward_names_that_losss_scaler():
+    """(Apex's skip message, under the alias, names the loss scaler ``doomed_by`` holds.)"""
+    model, opt, state = _setup(num_losses=2)
+    second = _state.current().scaling.scaler(1)
+    with amp_patch.scale_loss(_loss(model, bad=True), opt, loss_id=1, delay_unscale=True) as scaled:
+        scaled.backward()
+    seen = []
+    opt.register_step_pre_hook(lambda *a: seen.append(state.doomed_by))  # after amp_patch's own pre-hook
+    opt.step()
+    assert amp_patch.last_step_skipped(opt) and seen == [second]

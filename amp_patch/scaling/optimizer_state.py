@@ -26,7 +26,8 @@ What the coming step does, ``next_step``::
     any    --zero_grad() (_forget_fate)--> READY
 
 An overflow in a closure's backward inside ``step()`` (``stepping``) cannot skip that step any more: its grads
-become zeros and the step is reported skipped (``closure_overflow``), the next step is not doomed for it.
+become zeros for the rest of the step, and when it ends the step is undone from the copy taken as it began
+(``scaling/closure_steps.py``) and reported skipped (``closure_overflow``); the next step is not doomed for it.
 
 A skipped step hides every gradient of the optimizer (sets it to None) for the
 duration of ``step()``, so no parameter and no optimizer state (momentum, Adam
@@ -43,6 +44,7 @@ import torch
 from ..errors import UsageError
 from ..parallel import ddp as distributed
 from . import unscaled
+from .closure_steps import StepSnapshot
 from .foreign_grads import ForeignGrads
 from .masters import MasterWeights
 from .remainder import Fp32Masters
@@ -61,6 +63,7 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         self.unscaled_warning = unscaled_warning  # the opt level where a plain backward trains unscaled
         self.stepping = 0  # inside step() (a closure's scale_loss runs there)
         self.closure_overflow = False  # a closure's backward overflowed: its grads were zeroed
+        self.snapshot = None  # inside step(closure): what the step can change, as it began (closure_steps.py)
         self.state_casts = []  # existing optimizer state given its param's dtype (scaling/state_casts.py)
         self.storage = storage or Fp32Masters()  # where masters live between steps (scaling/remainder.py)
         self.pairs = []  # (model param, fp32 master)
@@ -285,6 +288,7 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         self.stepping += 1
         self._check_groups_unchanged()
         self.storage.before_step(self.pairs)
+        self.snapshot = StepSnapshot(optimizer) if closure is not None else None
         if skipped:
             self.set_aside = []
             for group in optimizer.param_groups:
@@ -309,7 +313,9 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
             self.engine.resume_after_step()
         self.stepping = max(self.stepping - 1, 0)
         if self.closure_overflow:  # (the scaler backed off already; the next step is not skipped for it)
+            self.snapshot.restore()
             self.last_skipped, self.next_step, self.closure_overflow = True, READY, False
+        self.snapshot = None
         self.storage.after_step(self.pairs, self.last_skipped)
         self._clear_master_grads()
         self.masters_stale = bool(self.pairs)

@@ -1,0 +1,144 @@
+"""An overflow in the closure of ``optimizer.step(closure)`` leaves the step undone, for every optimizer.
+
+A generator over torch's optimizers (stateful ones: momentum, weight decay, Adam's moments and step counts, LBFGS's
+history), a SAM-shaped optimizer (perturbs the weights before its closure, steps an inner ``base_optimizer``) and a
+wrapper stepping an inner optimizer, under O1 and O2, float16: a few clean closure steps, then one whose closure
+overflows (in its first call, or in a later one for LBFGS), must leave every param, the optimizer's
+``state_dict()`` and the inner optimizers' bitwise as they were, and report the step skipped; the next clean step
+trains again. Zeroed grads alone (what amp_patch did before) still moved every stateful optimizer.
+"""
+import pytest
+import torch
+from torch.nn import functional as F
+
+import amp_patch
+
+HALF = torch.float16
+
+
+class Sam(torch.optim.Optimizer):
+    """The shape of the widely copied SAM (davda54/sam): step(closure) perturbs, runs the closure, restores the
+    weights by reassigning ``p.data`` and steps ``base_optimizer`` (built at construction over the same groups)."""
+
+    def __init__(self, params, base_optimizer, rho=0.05, **kwargs):
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.norm(torch.stack([g.norm() for g in grads])) + 1e-12
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                self.state[p]["old_p"] = p.data.clone()
+                p.add_(p.grad * group["rho"] / norm)
+        with torch.enable_grad():
+            closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+
+
+class Wrapper(torch.optim.Optimizer):
+    """An optimizer that steps an inner one (the shape of Lookahead-style wrappers)."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+        self.inner = torch.optim.AdamW(self.param_groups, lr=1e-2, weight_decay=0.1)
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.inner.step()
+        return loss
+
+
+OPTIMIZERS = {
+    "SGD momentum wd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1),
+    "Adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    "AdamW amsgrad": lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True),
+    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.5),
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
+    "Adadelta": lambda p: torch.optim.Adadelta(p),
+    "Adamax": lambda p: torch.optim.Adamax(p, lr=1e-2),
+    "NAdam": lambda p: torch.optim.NAdam(p, lr=1e-2),
+    "RAdam": lambda p: torch.optim.RAdam(p, lr=1e-2),
+    "ASGD": lambda p: torch.optim.ASGD(p, lr=1e-2),
+    "Rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),
+    "LBFGS": lambda p: torch.optim.LBFGS(p, lr=0.1, max_iter=3, history_size=4),
+    "SAM over SGD momentum": lambda p: Sam(p, torch.optim.SGD, lr=0.1, momentum=0.9),
+    "wrapper of AdamW": Wrapper,
+}
+
+
+def _snapshot(model, opt):
+    inner = [v for v in vars(opt).values() if isinstance(v, torch.optim.Optimizer) and v is not opt]
+    return ([p.detach().clone() for p in model.parameters()],
+            [_clone(o.state_dict()) for o in [opt, *inner]])
+
+
+def _clone(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_clone(v) for v in tree)
+    return tree
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_an_overflowing_closure_leaves_params_and_optimizer_state_as_they_were(name, level):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    opt = OPTIMIZERS[name](model.parameters())
+    model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=HALF, verbosity=0)
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+    calls = []
+
+    def closure(bad_call=None):
+        calls.append(None)
+        opt.zero_grad()
+        loss = F.mse_loss(model(x).float(), y)
+        if bad_call is not None and len(calls) == bad_call:
+            loss = loss * float("inf")
+        with amp_patch.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        return loss
+
+    prime = closure if name.startswith("SAM") else (lambda: None)  # SAM perturbs along grads of a backward before
+    for _ in range(2):
+        prime()
+        opt.step(closure)
+    prime()
+    before = _snapshot(model, opt)
+    bad_calls = [1, 2] if name == "LBFGS" else [1]
+    for bad in bad_calls:
+        calls.clear()
+        opt.step(lambda bad=bad: closure(bad))
+        prime()
+        assert amp_patch.last_step_skipped(opt), (name, bad)
+        params, states = _snapshot(model, opt)
+        assert all(torch.equal(p, b) for p, b in zip(params, before[0])), (name, bad, "params moved")
+        assert _equal(states, before[1]), (name, bad, "optimizer state moved")
+    opt.step(closure)
+    assert not amp_patch.last_step_skipped(opt)
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before[0]))

@@ -328,9 +328,10 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
             self._handles.pop()
         self._carry_edits(strict=False)  # (a clip after the last step is kept: deinitialize gives the masters)
         uncast_state(self.state_casts)
-        if self.pending is not None:  # an interrupted batch left its grads multiplied by the loss scale
-            for p in self._grad_params():
-                p.grad = None
+        if self.pending is not None:  # a delayed or interrupted backward left its grads multiplied by the scale:
+            grads = [p.grad for p in self._grad_params() if p.grad is not None]  # they are given back unscaled
+            if grads:
+                _rescale(grads, 1.0 / self.pending.scaler.scale)
         state = self.optimizer.state
         for param, master in self.pairs:
             if master in state:

@@ -6,6 +6,7 @@ raises during step 1 and carries on; the reference run never sees step 1's batch
 be bit-identical (params, optimizer state, loss scale), and ``deinitialize()`` must give back the same
 param and buffer objects in their original dtypes with float32 (or no) grads.
 """
+import copy
 import os
 import signal
 
@@ -122,7 +123,10 @@ def test_a_failed_step_is_forgotten_after_zero_grad(level, dtype):
 
 @pytest.mark.parametrize("level", ["O2", "O3"])
 def test_deinitialize_after_an_interrupted_backward_leaves_no_half_grad(level):
+    """O3's half grads belong to the half model and go; O2's grads are the fp32 params' own, given back without
+    the loss scale (what the backward would have left without amp_patch, to half precision)."""
     model = Net()
+    reference = copy.deepcopy(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     model, opt = amp_patch.initialize(model, opt, opt_level=level, verbosity=0)
     (x, y), _ = _batches()[0]
@@ -131,7 +135,15 @@ def test_deinitialize_after_an_interrupted_backward_leaves_no_half_grad(level):
             scaled.backward()
             raise Fault("after backward")
     amp_patch.deinitialize()
-    assert all(p.grad is None and p.dtype is torch.float32 for p in model.parameters())
+    assert all(p.dtype is torch.float32 for p in model.parameters())
+    if level == "O3":
+        assert all(p.grad is None for p in model.parameters())
+    else:
+        F.mse_loss(reference(x), y).backward()
+        for p, ref in zip(model.parameters(), reference.parameters()):
+            assert p.grad.dtype is torch.float32
+            torch.testing.assert_close(p.grad, ref.grad, rtol=2e-2, atol=2e-3)
+    opt.zero_grad()
     assert model.shift.dtype is torch.float32
     F.mse_loss(model(x), y).backward()  # fp32 Adam on the restored model works (fp16 grads made it crash)
     opt.step()
@@ -232,3 +244,19 @@ def test_zero_grad_without_a_step_rolls_back_clean_updates_but_keeps_backoffs(le
         assert amp_patch.state_dict()["loss_scaler0"]["steps"] == backed_off["loss_scaler0"]["steps"] + 1
     finally:
         amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_deinitialize_inside_a_delay_unscale_accumulation_gives_the_grads_back_unscaled(level):
+    model = Net()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=torch.float16, verbosity=0)
+    (x, y), _ = _batches()[0]
+    with amp_patch.scale_loss(F.mse_loss(model(x).float(), y), opt, delay_unscale=True) as scaled:
+        scaled.backward()
+    assert amp_patch.loss_scale() > 1
+    amp_patch.deinitialize()
+    F.mse_loss(reference(x), y).backward()
+    for p, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, ref.grad, rtol=2e-2, atol=2e-3)

@@ -60,6 +60,10 @@ FILE_PORT = {
         # are then those of a CUDA run, from common_utils.TestCase's seed)
         ("torch.cuda.manual_seed(42)", "pass"),
     ),
+    "two_gpu_test_different_batch_size": (  # each rank's device, its nccl group, DDP's device_ids: CPU, gloo, none
+        ("torch.device('cuda:{}'.format(args.local_rank))", "torch.device('cpu')"), ("    'nccl',", "    'gloo',"),
+        ("DDP(model, device_ids=[args.local_rank], output_device=args.local_rank)", "DDP(model)"),
+    ),
 }
 
 CPU_PATCHES = (
@@ -161,6 +165,7 @@ FILES = (
     ("distributed/synced_batchnorm", "two_gpu_unit_test", "script", (), 2),
     ("distributed/synced_batchnorm", "two_gpu_unit_test", "script", ("--fp16",), 2),
     ("distributed/synced_batchnorm", "test_groups", "script", ("--group_size=2",), 2),
+    ("distributed/synced_batchnorm", "two_gpu_test_different_batch_size", "script", ("--apex",), 2),
 )
 
 # left out of the CI profile: slow on CPU (s in the long profile) or checked elsewhere in CI
@@ -170,6 +175,7 @@ LONG_ONLY = {
     "distributed/synced_batchnorm/single_gpu_unit_test.py",  # also run by test_apex_syncbn_mirror.py
     "distributed/synced_batchnorm/two_gpu_unit_test.py --fp16",
     "distributed/synced_batchnorm/test_groups.py --group_size=2",
+    "distributed/synced_batchnorm/two_gpu_test_different_batch_size.py --apex",  # two ranks: about 8 s
 }
 
 NOT_MIRRORED = {

@@ -73,3 +73,18 @@ def test_without_a_scaler_capturable_changes_nothing(capturable):
         m(torch.ones(2, 4)).sum().backward()
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+
+
+def test_grads_the_user_unscaled_first_are_not_unscaled_again():
+    model, twin = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    twin.load_state_dict(model.state_dict())
+    opt = FusedAdam(model.parameters(), lr=1e-2, eps=1.0, capturable=True)  # eps=1: the update sees the grad's size
+    ref = FusedAdam(twin.parameters(), lr=1e-2, eps=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    scaler.unscale_(opt)  # e.g. to clip
+    _step(scaler, opt)
+    twin(torch.ones(2, 4)).sum().backward()
+    ref.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b)

@@ -9,15 +9,14 @@ are loaded from the checkout with the CUDA-only spellings made CPU ones:
 * :data:`CPU_PORT`, a source substitution applied to every loaded test module: ``torch.cuda.<T>Tensor`` types
   and type strings become CPU ones, ``.cuda()`` / ``device='cuda'`` / ``.to('cuda')`` become CPU,
   ``torch.amp.autocast('cuda')`` / ``GradScaler('cuda')`` become the CPU ones (autocast keeping CUDA's
-  default fp16), the device-type tests are
-  instantiated for CPU, and ``nccl`` process groups become ``gloo``;
+  default fp16), the device-type tests are instantiated for CPU, and ``nccl`` process groups become ``gloo``;
 * :data:`FILE_PORT`, the few per-file substitutions (each with its reason);
 * :data:`CPU_PATCHES`, monkeypatches in the child: ``torch.cuda.synchronize`` / ``set_device`` do nothing,
   ``torch.cuda.manual_seed`` seeds the CPU generator (the ported ``device='cuda'`` draws are CPU draws),
   ``torch.cuda.is_bf16_supported()`` is True (CPU has bf16);
   ``torch.cuda.device_count()`` stays 0, so Apex's own multi-GPU ``skipIf`` decorators skip;
-* :data:`SHRINK`, size substitutions for the CI profile only (fp16 CPU kernels are slow); the ``long``
-  profile (``AMP_PATCH_APEX_L0=long``) runs Apex's sizes;
+* :data:`SHRINK`, size substitutions for the CI profile only (fp16 CPU kernels are slow), which also leaves
+  out :data:`LONG_ONLY`; the ``long`` profile (``AMP_PATCH_APEX_L0=long``) runs Apex's sizes and every file;
 * :data:`PORTED_AWAY`: tests that cannot mean on CPU what they mean on CUDA, skipped with the reason and
   counted apart ("ported"), never as passes;
 * :data:`KNOWN_FAILURES`: tests that fail for a reason that is not the mirror's (Apex's own kernel gives the
@@ -25,7 +24,9 @@ are loaded from the checkout with the CUDA-only spellings made CPU ones:
   listed message; one that passes or fails otherwise is a failure.
 
 Files whose module the mirror lacks are listed in :data:`NOT_MIRRORED`. The synced_batchnorm scripts check by
-``compare(desc, a, b, error)``: each call is one check; the two-process ones run on gloo with two CPU ranks.
+``compare(desc, a, b, error)``: each call is one check, plus one for the script running to its end (its own
+asserts); the two-process ones run on gloo with two CPU ranks. A test needing onnx/onnxscript (the layer norms'
+export tests) skips when they are not installed. ``python tests/oracle/apex_l0.py [FILTER]`` prints the counts.
 """
 import json
 import os

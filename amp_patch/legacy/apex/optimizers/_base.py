@@ -85,6 +85,25 @@ def by_device(items):
     return out
 
 
+def unscale_for_scaler(optimizer, grad_scaler, devices):
+    """Apex's capturable step under torch's GradScaler: False (skip the step) when a grad of ``devices`` is
+    inf/NaN, else True after unscaling the grads in place. Without a scaler (or with grads the user already
+    unscaled through ``scaler.unscale_``) there is nothing to do."""
+    if grad_scaler is None:
+        return True
+    from torch.amp.grad_scaler import OptState
+    state = grad_scaler._per_optimizer_states[id(optimizer)]
+    already = state["stage"] is OptState.UNSCALED
+    found = state["found_inf_per_device"] if already else grad_scaler._check_inf_per_device(optimizer)
+    if any(bool(found[d].item()) for d in devices if d in found):
+        return False
+    if not already:
+        inv_scale = grad_scaler._get_scale_async().double().reciprocal().float()
+        for device, pairs in devices.items():
+            torch._foreach_mul_([p.grad for p, _ in pairs], inv_scale.to(device))
+    return True
+
+
 def update_targets(pairs, master_weights):
     """The tensors an update writes, and the callable that copies them back: the params themselves, or (Apex's
     ``master_weights=True``) an fp32 master kept in ``state["master_param"]`` for each half param."""

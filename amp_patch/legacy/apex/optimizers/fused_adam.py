@@ -9,6 +9,7 @@ from ._base import (
     fp32_buffer,
     note_no_effect,
     refuse_amsgrad,
+    unscale_for_scaler,
     update_targets,
 )
 from ._legacy_adam import legacy_step
@@ -19,9 +20,11 @@ class FusedAdam(FusedOptimizer):
 
     Per param state ``exp_avg`` and ``exp_avg_sq`` (fp32 for half params); the step count is
     ``param_group["step"]``; param groups hold ``lr``, ``bias_correction``, ``betas``, ``eps``,
-    ``weight_decay``. ``amsgrad=True`` is refused as Apex refused it. ``capturable`` only changed how
-    Apex's CUDA kernel was launched (accepted, no effect); ``master_weights``/``use_master`` is refused:
-    use ``amp_patch.initialize(..., opt_level="O2")`` for fp32 master weights.
+    ``weight_decay``. ``amsgrad=True`` is refused as Apex refused it. ``master_weights=True`` (``use_master``)
+    keeps an fp32 master of each half param (``state["master_param"]``) and writes the param from it.
+    ``capturable=True`` takes torch's GradScaler as Apex's capturable kernel did (``_step_supports_amp_scaling``):
+    ``scaler.step(opt)`` passes the scaler in, and the step unscales the grads in place itself (half grads
+    too), or, after an inf/NaN, skips the update and the step count; CUDA-graph capture has no meaning here.
 
     The pre-October-2019 form (``eps_inside_sqrt=`` / ``max_grad_norm=`` given by keyword, and
     ``step(grads=, output_params=, scale=, grad_norms=)``) runs that version's update
@@ -39,13 +42,15 @@ class FusedAdam(FusedOptimizer):
             FusedOptimizer.__init__(self, params, defaults, set_grad_none=False)
             self.adam_w_mode, self.capturable, self.master_weights = 0, False, False
             return
-        if capturable:
+        if capturable:  # CUDA-graph capture: none here; the scaler handshake below gives unscale-then-step's numbers
             note_no_effect("FusedAdam", capturable=capturable)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, set_grad_none)
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.capturable = capturable
         self.master_weights = bool(master_weights or use_master)
+        if capturable:
+            self._step_supports_amp_scaling = True  # torch's GradScaler hands itself to step()
 
     def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None, grad_scaler=None):
         """One Adam step for every param with a grad; returns ``closure()``'s loss when given one."""
@@ -62,9 +67,12 @@ class FusedAdam(FusedOptimizer):
             items = self._with_grads(group)
             if not items:
                 continue
+            devices = by_device(items)
+            if self.capturable and not unscale_for_scaler(self, grad_scaler, devices):
+                continue
             step = advance_step(group)
             beta1, beta2 = group["betas"]
-            for device, pairs in by_device(items).items():
+            for device, pairs in devices.items():
                 targets, write_back = update_targets(pairs, self.master_weights)
                 lists = [[p.grad for p, _ in pairs], targets,
                          [fp32_buffer(p, s, "exp_avg") for p, s in pairs],

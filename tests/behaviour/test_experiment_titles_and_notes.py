@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from test_experiment import tiny_data, tiny_loss, tiny_model, tiny_optimizer
+from test_experiment import tiny_data, tiny_loss, tiny_model
 
 from amp_patch.tools.experiment import Job, add_parser, command, run_experiment
 from amp_patch.tools.experiment.report import markdown, summarize

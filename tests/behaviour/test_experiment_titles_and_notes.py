@@ -3,15 +3,19 @@ collide), the step-time note says why rounds are missing, and the verdict's loss
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from test_experiment import tiny_data, tiny_loss, tiny_model
 
 from amp_patch.tools.experiment import Job, add_parser, command, run_experiment
+from amp_patch.tools.experiment import verdict as verdict_module
 from amp_patch.tools.experiment.report import markdown, summarize
 from amp_patch.tools.experiment.runner import Config, new_result
 from amp_patch.tools.experiment.verdict import loss_gap, verdict
+
+ROOT = Path(__file__).resolve().parents[2]
 
 UNNAMED_JOBS = '''\
 import torch
@@ -148,3 +152,9 @@ def test_loss_gap_is_the_largest_gap_beyond_the_absolute_slack_relative_to_fp32s
     assert loss_gap(_losses(mine), _losses(base)) == pytest.approx(gap)
     variants = {"fp32": _losses(base) | {"ratio_to_fp32": None}, "O1": _losses(mine) | {"ratio_to_fp32": None}}
     assert verdict(variants)["loss_gaps"]["O1"] == pytest.approx(gap)
+
+
+def test_the_api_reference_gives_the_loss_gaps_definition_the_code_computes():
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    slack = f"{verdict_module._ABS_SLACK:g}"
+    assert f"`max(0, |loss - fp32 loss| - {slack}) / max(|fp32 loss|, {slack})`" in " ".join(text.split())

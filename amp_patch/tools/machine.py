@@ -68,11 +68,13 @@ def half_hardware(device, dtype, flags=None):
     return HalfHardware("CPU", name, bool(hits), evidence)
 
 
-def describe(device="cpu"):
-    """One line naming the machine: processor, CPU count, torch version and threads."""
+def describe(device="cpu", threads=None):
+    """One line naming the machine: processor, CPU count, torch version and ``threads`` (the count a run used;
+    None: this process's ``torch.get_num_threads()`` now)."""
     if torch.device(device).type == "cuda":
         processor = torch.cuda.get_device_name(torch.device(device))
     else:
         processor = platform.processor() or platform.machine()
+    threads = torch.get_num_threads() if threads is None else threads
     return (f"{processor}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads")
+            f"{threads} thread{'' if threads == 1 else 's'}")

@@ -179,13 +179,30 @@ def test_without_a_job_the_cli_reports_on_the_built_in_mlp(capsys):
     captured = capsys.readouterr()
     assert status == 0, captured.err
     assert captured.out.startswith("amp-patch speed: amp_patch.tools.experiment.models:mlp, O1 bfloat16 on cpu")
-    assert ", 1 threads" in captured.out  # the built-in job runs on 1 thread, as in the experiment
+    machine_line = next(line for line in captured.out.splitlines() if line.startswith("machine: "))
+    assert machine_line.endswith(", 1 thread")  # the built-in job runs on 1 thread, as in the experiment
+
+
+def test_every_line_names_the_thread_count_the_steps_ran_with(monkeypatch, capsys):
+    def software_only(device, dtype, flags=None):
+        name = str(dtype).removeprefix("torch.")
+        return machine.HalfHardware("CPU", name, False, f"none of the {name} flags")
+
+    monkeypatch.setattr(machine, "half_hardware", software_only)
+    torch.set_num_threads(2)  # this process's count: the report must name the run's (1), not this one
+    status = cli.main(["speed", "--job", "_speed_jobs:healthy", "--half-dtype", "fp16", "--threads", "1",
+                       "--steps", str(STEPS)])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    named = [line for line in captured.out.splitlines() if "thread" in line]
+    assert [line for line in named if line.startswith("machine: ")] and [line for line in named if "hardware" in line]
+    assert all(", 1 thread" in line and "1 threads" not in line and "2 thread" not in line for line in named), named
 
 
 def test_threads_are_set_for_the_run_named_in_the_report_and_restored():
     before = torch.get_num_threads()
     report = amp_patch.speed_report("_speed_jobs:healthy", steps=STEPS, threads=1)
-    assert report.machine.endswith(", 1 threads") and torch.get_num_threads() == before
+    assert report.machine.endswith(", 1 thread") and torch.get_num_threads() == before
 
 
 def test_the_cli_refuses_a_job_it_cannot_load_with_exit_2(capsys):

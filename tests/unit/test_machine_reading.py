@@ -40,4 +40,10 @@ def test_a_dtype_that_is_not_half_is_refused_with_the_choices():
 
 def test_describe_names_torch_and_threads():
     line = machine.describe("cpu")
-    assert torch.__version__ in line and f"{torch.get_num_threads()} threads" in line
+    threads = torch.get_num_threads()
+    assert torch.__version__ in line and line.endswith(f", {threads} thread{'' if threads == 1 else 's'}")
+
+
+def test_describe_names_the_threads_a_run_used_with_their_plural():
+    assert machine.describe("cpu", threads=1).endswith(", 1 thread")
+    assert machine.describe("cpu", threads=2).endswith(", 2 threads")

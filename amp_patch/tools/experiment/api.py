@@ -62,6 +62,7 @@ def run_experiment(jobs, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat
         raise UsageError("an amp_patch session is active; call amp_patch.deinitialize() before running an "
                          "in-process experiment (or pass isolate=True)")
     plans = [_plan(ref, variants, config, shared if op_lists is not None else None) for ref in refs]
+    plans = [(ref, title, *rest) for (ref, _, *rest), title in zip(plans, job_titles(refs, [p[1] for p in plans]))]
     bar = Progress(sum(len(p[2]) for p in plans), config.steps, enabled=progress)
     bar.announce(_starting_line(refs, variants, config, isolate))
     reports = []
@@ -87,6 +88,19 @@ def _plan(ref, variants, config, shared):
     job = ref if isinstance(ref, Job) else load_job(ref)  # the job's own name and op lists, if it gives them
     pairs = shared if shared is not None else op_list_pairs(job.op_lists or None)
     return ref, job.name, expand_op_lists(variants, pairs), dataclasses.replace(config, op_lists=pairs)
+
+
+def job_titles(refs, names):
+    """Each job's report title, one per job, never two alike (the JSON's ``jobs`` is keyed by them): its name,
+    and where two jobs share a name, each of them with its ``module:function`` spec (a Job object: its place in
+    the list, ``#2``), and its place too when even that repeats (the same spec twice)."""
+    def where(i, ref):
+        return ref if isinstance(ref, str) else f"#{i}"
+
+    titles = [name if names.count(name) == 1 else f"{name} ({where(i, ref)})"
+              for i, (ref, name) in enumerate(zip(refs, names), 1)]
+    return [title if titles.count(title) == 1 else f"{names[i - 1]} ({where(i, ref)}, #{i})"
+            for i, (ref, title) in enumerate(zip(refs, titles), 1)]
 
 
 def _write(reports, out_dir, partial):

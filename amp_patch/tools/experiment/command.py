@@ -15,7 +15,8 @@ from .verdict import LOSS_TOLERANCE
 _EPILOG = """\
 A --job function takes no arguments and returns a dict (or object) with model_fn(), optimizer_fn(model),
 data_fn() (a Dataset or a tuple of tensors; items are (input, ..., target)) and loss_fn(output, target),
-optionally batch_size and name (the report's title); the callables must be module-level. MODULE is imported
+optionally batch_size and name (the report's title; default: the function's name, and jobs that share a name
+add their MODULE:FUNCTION to it); the callables must be module-level. --job is repeatable. MODULE is imported
 from the current directory first, then PYTHONPATH (as `python -m` does); --job path/to/jobs.py:FUNCTION loads a
 file. A job that raises: one line naming it, the exception and your file:line (--verbose: the traceback).
 Each table ends with a Verdict line. Ctrl-C keeps the finished rounds (printed, and in the JSON marked partial).
@@ -31,7 +32,8 @@ def add_parser(subparsers):
                     "process with the same seed and data, and report step time, memory, loss, loss scale and "
                     "casts per variant (markdown on stdout, JSON and PNG in --out).",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--job", metavar="MODULE:FUNCTION", help="your own job (see below)")
+    parser.add_argument("--job", metavar="MODULE:FUNCTION", action="append",
+                        help="your own job (see below); repeatable: one table per job")
     parser.add_argument("--model", action="append", choices=sorted(BUILTIN) + ["all"],
                         help="built-in job on synthetic data; repeatable (default: all, unless --job is given)")
     parser.add_argument("--steps", type=int, default=40, help="training steps per variant (default 40)")
@@ -78,9 +80,9 @@ def _jobs(args):
     models = args.model or ([] if args.job else ["all"])
     names = list(BUILTIN) if "all" in models else list(dict.fromkeys(models))
     jobs = [builtin_spec(name) for name in names]
-    if args.job:
-        load_job(args.job)  # fail early, with a clear message, before any variant runs
-        jobs.append(args.job)
+    for spec in args.job or ():
+        load_job(spec)  # fail early, with a clear message, before any variant runs
+        jobs.append(spec)
     return jobs
 
 

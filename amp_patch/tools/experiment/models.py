@@ -10,7 +10,8 @@ A job is four callables (plus an optional batch size and name):
 - ``loss_fn(output, target)`` returns the scalar loss.
 
 ``--job module:function`` names a function taking no arguments that returns such a job as a dict or an
-object with those attributes (``batch_size`` and ``name`` optional). Every callable must be importable
+object with those attributes (``batch_size`` and ``name`` optional; without a name the job is named after the
+function). Every callable must be importable
 (module-level) when variants run in their own processes.
 """
 import dataclasses
@@ -28,6 +29,8 @@ from torch.nn import functional as F
 from ...errors import ConfigError, JobError
 
 _FIELDS = ("model_fn", "optimizer_fn", "data_fn", "loss_fn")
+#: a Job's name when none is given; a job loaded from ``module:function`` is then named after the function
+DEFAULT_NAME = "job"
 
 
 @dataclasses.dataclass
@@ -39,15 +42,16 @@ class Job:
     data_fn: object
     loss_fn: object
     batch_size: int = 32
-    name: str = "job"
+    name: str = DEFAULT_NAME
     #: op lists (shipped names or YAML files) to run O1 with, one ``O1 [list]`` variant each; () : O1's default
     op_lists: tuple = ()
 
 
 def as_job(obj, name=None):
-    """A :class:`Job` from a Job, a dict or an object with the job's attributes."""
+    """A :class:`Job` from a Job, a dict or an object with the job's attributes; ``name`` names it when it
+    gives no name of its own (a Job left at :data:`DEFAULT_NAME`)."""
     if isinstance(obj, Job):
-        job = obj
+        job = obj if name is None or obj.name != DEFAULT_NAME else dataclasses.replace(obj, name=name)
     else:
         get = obj.get if isinstance(obj, dict) else (lambda key, default=None: getattr(obj, key, default))
         missing = [f for f in _FIELDS if get(f) is None]
@@ -55,7 +59,7 @@ def as_job(obj, name=None):
             raise ConfigError(f"the job ({type(obj).__name__}) lacks {', '.join(missing)}; a job provides "
                               f"{', '.join(_FIELDS)} (see amp_patch.tools.experiment.models)")
         job = Job(*(get(f) for f in _FIELDS), batch_size=get("batch_size", 32) or 32,
-                  name=get("name", None) or name or "job", op_lists=get("op_lists", None) or ())
+                  name=get("name", None) or name or DEFAULT_NAME, op_lists=get("op_lists", None) or ())
     for field in _FIELDS:
         if not callable(getattr(job, field)):
             raise ConfigError(f"the job's {field} is {getattr(job, field)!r}, not a callable")

@@ -143,19 +143,34 @@ def _heading(report):
 
 def _notes(report):
     kinds = sorted({v["memory_kind"] for v in report["variants"].values() if v["memory_kind"]})
-    rounds = report.get("rounds_finished", report["rounds"])
-    fewest = report.get("rounds_finished_fewest") or rounds
-    planned = "" if fewest >= report["rounds"] else f" (of {report['rounds']} planned: Ctrl-C stopped the rest)"
-    how = ("each round runs every variant in turn, each in its own process" if report["interleaved"] else
-           "the rounds of one variant back to back")
-    return (f"Step times: median over {_span(fewest, rounds)} round{'s' if rounds != 1 else ''}{planned} ({how}) "
-            "of each round's median step, with the rounds' min-max; a ratio is the variant's step time over fp32's (or "
+    return (f"{_step_times_note(report)}; a ratio is the variant's step time over fp32's (or "
             "native's): below 1.00x is faster. It is taken round by round, and *n.s.* marks one whose min-max "
             f"includes 1.00x or that has fewer than {MIN_ROUNDS} rounds (not significant). Rows after fp32 go "
             f"fastest first, in the verdict's order. Peak memory: {'; '.join(kinds) or 'n/a'} (+ its growth "
             "during the run). State MiB: weights + grads + optimizer state (masters kept beside the weights "
             "included), from the tensors' storages, each counted once. Casts/iter: aten._to_copy calls in one "
             "forward+backward+step.")
+
+
+def _step_times_note(report):
+    """How many rounds the step times are medians over, and why any planned ones are missing: Ctrl-C only when
+    the run was interrupted; else the variants that stopped early, each with its status."""
+    rounds = report.get("rounds_finished", report["rounds"])
+    fewest = report.get("rounds_finished_fewest") or rounds
+    interrupted = report.get("partial") or any(v["status"] == "interrupted" for v in report["variants"].values())
+    if not rounds:
+        return ("Step times: none, Ctrl-C stopped the experiment before any variant timed a round" if interrupted
+                else "Step times: none, no variant timed a round (each stopped before its first timed step)")
+    planned = ""
+    if fewest < report["rounds"]:
+        short = [f"{label(n)} {v['status']}" for n, v in report["variants"].items() if v["status"] != "ok"
+                 and sum(1 for r in v["rounds"] if r.get("median_step_ms")) < report["rounds"]]
+        why = "Ctrl-C stopped the rest" if interrupted else ", ".join(short) or "a variant stopped early"
+        planned = f" (of {report['rounds']} planned: {why})"
+    how = ("each round runs every variant in turn, each in its own process" if report["interleaved"] else
+           "the rounds of one variant back to back")
+    return (f"Step times: median over {_span(fewest, rounds)} round{'s' if rounds != 1 else ''}{planned} ({how}) "
+            "of each round's median step, with the rounds' min-max")
 
 
 def _span(low, high):

@@ -20,7 +20,9 @@ _USABLE = ("ok", "interrupted")
 
 
 def loss_gap(variant, fp32):
-    """The largest ``|loss - fp32 loss| / |fp32 loss|`` over the steps (inf for a non-finite loss), or None."""
+    """The largest ``max(0, |loss - fp32 loss| - _ABS_SLACK) / max(|fp32 loss|, _ABS_SLACK)`` over the steps: the
+    gap beyond the absolute slack, relative to fp32's loss (inf for a non-finite loss; None without fp32 or
+    losses). ``gap > loss_tolerance`` is the module's rule, ``|diff| > tolerance * |fp32 loss| + slack``."""
     if fp32 is None or fp32.get("status") not in _USABLE or not variant.get("losses"):
         return None
     gaps = []

@@ -1,4 +1,5 @@
 """``speed_report(job, ...)``: run the job's steps with light instrumentation and rank what holds them back."""
+import dataclasses
 import statistics
 
 import torch
@@ -39,13 +40,13 @@ def speed_report(job, *, opt_level="O1", half_dtype=torch.bfloat16, steps=20, de
         if config.threads:
             torch.set_num_threads(config.threads)
         m = Harness(loaded, spec or loaded.name, config, opt_level, watched_modules(ctx.half)).run()
-        described = machine.describe(config.device)
+        ctx = dataclasses.replace(ctx, machine=machine.describe(config.device, torch.get_num_threads()))
     finally:
         torch.set_num_threads(before)
     step_ms = m.step_ms()
     half_dtype = str(config.half_dtype).removeprefix("torch.")
     return SpeedReport(job=spec or loaded.name, opt_level=opt_level, half_dtype=half_dtype,
-                       device=config.device, steps=steps, step_ms=step_ms, machine=described,
+                       device=config.device, steps=steps, step_ms=step_ms, machine=ctx.machine,
                        findings=findings(m, ctx), phases={p: m.phase_share(p) for p in PHASES},
                        overhead=m.overhead(), overhead_range=[min(m.overhead_units()), max(m.overhead_units())],
                        probe_overhead=statistics.median(m.probe_ms) / step_ms - 1.0)

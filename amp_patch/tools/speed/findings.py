@@ -41,6 +41,7 @@ class Context:
     opt_level: str
     half_dtype: torch.dtype
     device: str
+    machine: str = ""  # the machine line, with the thread count the steps ran with (``machine.describe``)
 
     @property
     def half(self):
@@ -78,7 +79,7 @@ def hardware(m, ctx):
     instead = (f"use half_dtype={other} (it runs on hardware here: {alt.evidence})" if alt.native else
                "stay with fp32 (O0) on this machine and use mixed precision where the hardware has it "
                "(a GPU of compute capability 7.0 or later, a CPU with AVX-512 BF16/AMX)")
-    return Finding("hardware", None, f"{reading.device} ({machine.describe(ctx.device)})",
+    return Finding("hardware", None, f"{reading.device} ({ctx.machine or machine.describe(ctx.device)})",
                    reading.sentence() + ": no speed-up is possible from it",
                    f"{reading.dtype} cannot make this job faster on this machine: {instead}.")
 

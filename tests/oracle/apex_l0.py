@@ -61,6 +61,12 @@ FILE_PORT = {
         # are then those of a CUDA run, from common_utils.TestCase's seed)
         ("torch.cuda.manual_seed(42)", "pass"),
     ),
+    "test_checkpointing": (  # test_loss_scale_decrease draws its model's scale param unseeded: where |param| is
+        # small, x * 2**17 * param no longer overflows fp16 and a back-off the test counts on does not happen
+        # (flaky on CUDA too: about 1 run in 4 here); seeded with the file's own seed() as its other tests are
+        ("nb_decrease_loss_scales_tmp = list(nb_decrease_loss_scales)",
+         "nb_decrease_loss_scales_tmp = list(nb_decrease_loss_scales); self.seed()"),
+    ),
     "two_gpu_test_different_batch_size": (  # each rank's device, its nccl group, DDP's device_ids: CPU, gloo, none
         ("torch.device('cuda:{}'.format(args.local_rank))", "torch.device('cpu')"), ("    'nccl',", "    'gloo',"),
         ("DDP(model, device_ids=[args.local_rank], output_device=args.local_rank)", "DDP(model)"),

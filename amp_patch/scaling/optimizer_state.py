@@ -72,6 +72,7 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         self._init_next_step()  # next_step (READY / DOOMED), doomed_by, last_skipped
         self.pending = None  # the Scaled data while the grads are SCALED (see the grads property)
         self.set_aside = []  # (param, unscaled grad) until the unscaling exit (before_backward)
+        self.kept_model_grads = []  # Apex's API: (half model param, grad) an exit left in place (after_backward)
         self.masters_stale = False  # after a step: the next unscale writes the master grads instead of adding
         self.undo_updates = {}  # scaler -> memento before this step's updates (None: an overflow, kept)
         self.engine = None  # the session's casting engine (O1): paused during step()
@@ -124,6 +125,7 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         """
         self._sync_groups()
         self.claim()
+        self._drop_kept_model_grads()
         unscaled.note_scaled(self)
         self.check_foreign("scale_loss")
         if self.next_step is DOOMED:
@@ -182,11 +184,13 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
             p.grad = grad if p.grad is None else p.grad.add_(grad)
         self.set_aside = []
 
-    def after_backward(self, scaler, delay_unscale):
-        """Leaving scale_loss: unscale (unless delayed) and return whether grads overflowed."""
+    def after_backward(self, scaler, delay_unscale, keep_model_grads=False):
+        """Leaving scale_loss: unscale (unless delayed) and return whether grads overflowed. ``keep_model_grads``
+        (Apex's API, two-copy layout): the half model grads stay in ``param.grad``, still scaled, as Apex left them
+        (its docstring: "the fp16 model grads will remain scaled"); the next entry or ``zero_grad`` drops them."""
         if delay_unscale:
             return False
-        found = self._unscale(scaler) or (self.pending is not None and self.pending.inf_seen)
+        found = self._unscale(scaler, keep_model_grads) or (self.pending is not None and self.pending.inf_seen)
         self.pending = None
         self._restore_set_aside()
         if found and self.stepping:  # a closure inside step(): the step cannot be skipped any more, so the
@@ -206,7 +210,7 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         grads += [model_p.grad for model_p, _ in self.pairs if model_p.grad is not None]
         return bool(unscale_(grads, old.scale / new.scale)) if grads else False
 
-    def _unscale(self, scaler):
+    def _unscale(self, scaler, keep_model_grads=False):
         """param grads /= scale in place; half model grads /= scale into the fp32 master grads. found_inf?"""
         grads = [p.grad for p in self._grad_params() if p.grad is not None]
         found = scaler.unscale_grads(grads) if grads else False
@@ -220,8 +224,20 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         if master_grads:
             found |= scaler.unscale_grads(master_grads, out=master_outs)
             for (model_p, master), g in zip(masters, master_outs):
-                master.grad, model_p.grad = g, None
+                if keep_model_grads:
+                    self.kept_model_grads.append((model_p, model_p.grad))
+                else:
+                    model_p.grad = None
+                master.grad = g
         return bool(found)
+
+    def _drop_kept_model_grads(self):
+        """The half model grads an exit under Apex's API left in place (already in the master grads) go, as Apex's
+        next backward cleared them; one a later backward or the user replaced is not ours to drop."""
+        for model_p, grad in self.kept_model_grads:
+            if model_p.grad is grad:
+                model_p.grad = None
+        self.kept_model_grads = []
 
     # -- grads written while this optimizer was not passed to scale_loss -------------------------------
     def claim(self):
@@ -258,13 +274,15 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         self.undo_updates.clear()
         for model_p, _ in self.pairs:
             model_p.grad = None
+        self.kept_model_grads = []
         self.pending, self.foreign = None, None
         self._forget_fate()
         self.set_aside, self.own_exit = [], None
 
     def _check_backward_outside(self):
         """Master weights: half model grads with no scale_loss pending come from a plain ``loss.backward()``."""
-        if self.pending is None and any(p.grad is not None for p, _ in self.pairs):
+        kept = {id(grad) for _, grad in self.kept_model_grads}
+        if self.pending is None and any(p.grad is not None and id(p.grad) not in kept for p, _ in self.pairs):
             raise UsageError(f"{type(self.optimizer).__name__}.step(): the half model params have gradients that "
                              "no amp_patch.scale_loss() block produced (a plain loss.backward()?); under master "
                              "weights (O2) those never reach the fp32 weights. Run backward inside "

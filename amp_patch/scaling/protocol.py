@@ -135,7 +135,7 @@ def _end(session, scaler, loss_id, states, delay_unscale, loss):
     with _quiet(session):  # amp_patch's own bookkeeping ops must not run through the casting wrappers
         found_inf = False
         for state in states:
-            found_inf |= state.after_backward(scaler, delay_unscale)
+            found_inf |= state.after_backward(scaler, delay_unscale, keep_model_grads=apex_rules(session))
         if not delay_unscale:
             _finish_step(session, scaler, loss_id, states, distributed.agree_overflow(found_inf), loss)
     session.clear_cache()

@@ -114,16 +114,24 @@ class ScalerView:
         """Apex's ``update_scale()``: True when the step must be skipped. amp_patch's ``scale_loss`` exit already
         updated the scaler for this iteration; an overflow only the script's own ``_overflow_buf`` saw (e.g. in
         its post-accumulation all-reduce) is added now: the scale backs off and the session's next steps are
-        skipped. Without a new overflow nothing changes (no double counting)."""
+        skipped. Without a new overflow nothing changes (no double counting). After exits with
+        ``delay_overflow_check=True`` (which updated nothing, as in Apex) this is the one update: an overflow those
+        exits or the buffer saw backs off and skips, a clean one counts."""
+        buf = vars(self).get("_buf")
+        seen = buf is not None and bool(buf.item())
+        deferred, self._scaler.deferred_overflow = self._scaler.deferred_overflow, None
+        if deferred is not None:
+            return self._update(deferred or seen)
         if self._scaler.last_overflow:
             return True
-        buf = vars(self).get("_buf")
-        if buf is None or not bool(buf.item()):
-            return False
-        self._scaler.update(True)
-        for state in _session("loss_scalers").scaling.opt_states.values():
-            state.doom(by=self._scaler)
-        return True
+        return self._update(True) if seen else False
+
+    def _update(self, found):
+        skip = self._scaler.update(found)
+        if skip:
+            for state in _session("loss_scalers").scaling.opt_states.values():
+                state.doom(by=self._scaler)
+        return bool(found)
 
     def __getattribute__(self, name):
         if name in _MAPPED:

@@ -55,7 +55,9 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
     Under master weights an exit inside ``DistributedDataParallel.no_sync()`` is always delayed (the grads
     stay in ``param.grad`` for DDP's next reduction). ``model`` (optional): the DDP-wrapped model; a
     non-delayed exit inside its ``no_sync()`` that amp_patch did not see open is refused.
-    ``delay_overflow_check`` is accepted for Apex compatibility and ignored. An exception inside the block
+    ``delay_overflow_check`` (Apex's API only; amp_patch's own ignores it): the exit unscales and checks but does
+    not update the scaler nor skip the step; the script's own ``loss_scalers[i].update_scale()`` does, as in
+    Apex (NVIDIA BERT's post-accumulation all-reduce path). An exception inside the block
     leaves the grads scaled and pending; ``optimizer.zero_grad()`` then forgets them (docs/usage.md).
     """
     session = _state.current_session("scale_loss")
@@ -74,7 +76,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
         probe.remove()
         _note_grads_written(session, states, others, loss_id)
     probe.check()
-    _end(session, scaler, loss_id, states, delay_unscale, loss)
+    _end(session, scaler, loss_id, states, delay_unscale, loss, delay_overflow_check)
 
 
 def _begin(session, loss, optimizers, loss_id, model, delay_unscale):
@@ -130,14 +132,18 @@ def check_idle_elsewhere(session):
                                  "Stop the training threads (join them) first, then deinitialize()")
 
 
-def _end(session, scaler, loss_id, states, delay_unscale, loss):
+def _end(session, scaler, loss_id, states, delay_unscale, loss, delay_overflow_check=False):
     """Unscale (unless delayed), agree on overflow across ranks, update the scaler; drop cached casts."""
     with _quiet(session):  # amp_patch's own bookkeeping ops must not run through the casting wrappers
         found_inf = False
         for state in states:
             found_inf |= state.after_backward(scaler, delay_unscale, keep_model_grads=apex_rules(session))
         if not delay_unscale:
-            _finish_step(session, scaler, loss_id, states, distributed.agree_overflow(found_inf), loss)
+            found_inf = distributed.agree_overflow(found_inf)
+            if delay_overflow_check and apex_rules(session):  # the script's update_scale() decides (Apex)
+                scaler.deferred_overflow = bool(scaler.deferred_overflow) or found_inf
+            else:
+                _finish_step(session, scaler, loss_id, states, found_inf, loss)
     session.clear_cache()
 
 

@@ -130,6 +130,7 @@ class LossScaler:
         self.steps = 0  # update() calls
         self.skipped_steps = 0  # overflows; every overflow skips its step
         self.last_overflow = False  # the latest update() saw an overflow
+        self.deferred_overflow = None  # Apex's delay_overflow_check exits since the last update_scale(): any inf?
         self._last_log_time = None
         self._suppressed = 0
 

@@ -83,3 +83,30 @@ def test_clear_overflow_state_zeroes_the_scripts_flag(session):
     assert scaler._has_overflow
     scaler.clear_overflow_state()
     assert not scaler._has_overflow and flag.item() == 0
+
+
+def _accumulate(model, optimizer, micro_batches, bad_at=None):
+    """NVIDIA BERT's --allreduce_post_accumulation: every micro-batch exits with delay_overflow_check=True."""
+    for i in range(micro_batches):
+        loss = model(torch.ones(2, 3)).float().sum() / 1024 * (float("inf") if i == bad_at else 1.0)
+        with legacy.amp.scale_loss(loss, optimizer, delay_overflow_check=True) as scaled:
+            scaled.backward()
+
+
+def test_delay_overflow_check_exits_leave_the_update_to_the_scripts_update_scale(session):
+    """Apex's handle skipped ``update_scale`` on those exits (``should_skip = False if delay_overflow_check``): only
+    the script's own call counts, once per optimizer step, not once per micro-batch."""
+    model, optimizer = session
+    scaler = AMP_STATE.loss_scalers[0]
+    for step in range(3):
+        _accumulate(model, optimizer, 4)
+        assert scaler._unskipped == step  # the exits counted nothing
+        assert scaler.update_scale() is False and scaler._unskipped == step + 1
+        optimizer.step()
+        optimizer.zero_grad()
+    weight = model.weight.detach().clone()
+    _accumulate(model, optimizer, 4, bad_at=2)
+    assert scaler.loss_scale() == 2.0 ** 16  # nothing backed off at the exits
+    assert scaler.update_scale() is True and scaler.loss_scale() == 2.0 ** 15 and scaler._unskipped == 0
+    optimizer.step()  # skipped: the script's update_scale() saw the overflow
+    assert torch.equal(model.weight, weight) and amp_patch.last_step_skipped(optimizer)

@@ -23,6 +23,7 @@ import types
 
 from ..errors import UsageError
 from . import apex_amp, metadata
+from .amp_state import maybe_print
 from .mirror import MIRROR_ROOT, TOP_LEVEL, has_mirror, is_alias_name, is_amp_name, mirror_name, mirror_spec
 from .unsupported import attribute_error, import_error, missing_name_error
 
@@ -49,6 +50,7 @@ class _AmpLoader(importlib.abc.Loader):
         state_module = types.ModuleType("apex.amp._amp_state", "Apex's module holding _amp_state: a live view.")
         state_module._amp_state = apex_amp._amp_state
         state_module.master_params = apex_amp.master_params
+        state_module.maybe_print = maybe_print
         setattr(state_module, _MARK, True)
         sys.modules[state_module.__name__] = state_module  # attribute apex.amp._amp_state stays the view
         lists = apex_amp.lists  # apex.amp.lists and its three modules: the very lists initialize reads

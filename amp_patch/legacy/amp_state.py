@@ -20,6 +20,7 @@ from ..errors import NotInitializedError, UsageError
 from ..session import state as _state
 from ..session.api import deinitialize
 from ..session.api import master_params as _master_params
+from .messages import maybe_print as _print
 from .unsupported import attribute_error
 
 _PROPERTY_NAMES = ("opt_level", "cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
@@ -239,6 +240,12 @@ class AmpStateView:
         return scalers[0].hyperparameters[name] if scalers else None
 
     @property
+    def verbosity(self):
+        """The verbosity of the session's ``amp.initialize`` (1 without a session, as Apex's fresh AmpState)."""
+        session = _state.current()
+        return 1 if session is None else session.extensions.get("apex", {}).get("calls", {}).get("verbosity", 1)
+
+    @property
     def allow_incoming_model_not_fp32(self):
         return _state.allow_incoming_model_not_fp32()
 
@@ -265,4 +272,10 @@ class AmpStateView:
 
 
 AMP_STATE = AmpStateView()
+
+
+def maybe_print(msg, rank0=False):
+    """Apex's ``apex.amp._amp_state.maybe_print``: ``msg`` on stdout when the session's verbosity is above 0 (with
+    ``rank0``: on rank 0 only), as Apex printed it; scripts import it for their own lines."""
+    _print(msg, AMP_STATE.verbosity, rank0)
 __all__ = ["AMP_STATE", "master_params"]

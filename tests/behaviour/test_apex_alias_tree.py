@@ -379,3 +379,28 @@ def test_banned_and_inplace_float_ops_raise_not_implemented_as_in_apex():
     handle = legacy.amp.init(allow_banned=True)
     assert torch.nn.BCELoss()(torch.sigmoid(half), half).dtype is torch.float32
     handle._deactivate()
+
+
+def test_amp_state_has_apexs_verbosity_and_maybe_print(capsys):
+    from amp_patch.legacy.alias import install_apex_alias, uninstall_apex_alias
+
+    install_apex_alias()
+    try:
+        from apex.amp._amp_state import _amp_state, maybe_print
+
+        assert _amp_state.verbosity == 1  # Apex's fresh AmpState
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        import apex
+
+        apex.amp.initialize(model, opt, opt_level="O1", verbosity=0)
+        assert _amp_state.verbosity == 0
+        capsys.readouterr()
+        maybe_print("quiet")
+        assert capsys.readouterr().out == ""
+        amp_patch.deinitialize()
+        maybe_print("a script's line", rank0=True)
+        assert capsys.readouterr().out == "a script's line\n"
+    finally:
+        amp_patch.deinitialize()
+        uninstall_apex_alias()

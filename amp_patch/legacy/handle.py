@@ -17,7 +17,7 @@ from ..scaling.optimizer_state import OptimizerState
 from ..scaling.scaler import LossScaler
 from ..session import state as _state
 from ..session.api import deinitialize, initialize
-from . import stacking
+from . import messages, stacking
 from .amp_state import view_of
 from .unsupported import attribute_error
 
@@ -205,7 +205,12 @@ class OptimWrapper:
                              "either); compute the loss, run scale_loss and backward, then call step() without "
                              "a closure")
         self._loss_idx = 0
-        return self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        state = self._handle._session.scaling.opt_states.get(id(self.optimizer)) if self._handle.is_active() else None
+        if state is not None and state.last_skipped:
+            messages.maybe_print("Gradient overflow, skipping update", 1)  # Apex's, at its default verbosity
+            return None
+        return result
 
     @property
     def param_groups(self):

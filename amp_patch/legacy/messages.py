@@ -6,7 +6,10 @@ Apex used ``print`` (``_amp_state.maybe_print``), not ``logging``, and scripts a
   ...", the defaults, "Processing user overrides ...", the options after the overrides (``"{:22} : {}"``);
 - a step skipped after an overflow (verbosity > 0, every rank, as in Apex): "Gradient overflow.  Skipping step,
   loss scaler 0 reducing loss scale to 32768.0", printed by the skipped ``optimizer.step()``, naming the loss
-  whose overflow skipped it and the scale after the back-offs.
+  whose overflow skipped it and the scale after the back-offs;
+- ``apex.fp16_utils.FP16_Optimizer``'s (its deprecation line, its ``verbose`` lines, "Gradient overflow.  Skipping
+  step, reducing loss scale to X") and the old handle API's "Gradient overflow, skipping update", printed by
+  their own modules through :func:`maybe_print`.
 
 amp_patch's own API keeps ``logging`` (its records also carry a ``rank`` attribute, so a root-logger format with
 ``%(rank)s`` such as NVIDIA GNMT's formats them instead of printing ``--- Logging error ---``).
@@ -84,6 +87,12 @@ def print_initialize(call):
 
 def _verbosity(session):
     return session.extensions.get("apex", {}).get("calls", {}).get("verbosity", 1)
+
+
+def amp_state_verbosity():
+    """Apex's ``_amp_state.verbosity``: the open session's ``amp.initialize(verbosity=...)``, else 1."""
+    session = _state.current()
+    return _verbosity(session) if session is not None else 1
 
 
 def _after_step(optimizer, args, kwargs):

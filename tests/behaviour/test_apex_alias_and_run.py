@@ -332,6 +332,25 @@ def test_handle_scale_loss_and_misuse():
     assert not handle.is_active() and amp_patch.session.state.current() is None
 
 
+def test_wrapped_optimizer_step_after_an_overflow_prints_apex_line(capsys):
+    handle = legacy.amp.init()
+    model = torch.nn.Linear(3, 1)
+    wrapped = handle.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    before = model.weight.detach().clone()
+    try:
+        for inf in (True, False):
+            with wrapped.scale_loss(model(torch.ones(1, 3)).float().sum() * (float("inf") if inf else 1.0)) as scaled:
+                scaled.backward()
+            capsys.readouterr()
+            wrapped.step()
+            wrapped.zero_grad()
+            out = capsys.readouterr().out
+            assert out == ("Gradient overflow, skipping update\n" if inf else "")
+            assert torch.equal(model.weight, before) == inf
+    finally:
+        handle._deactivate()
+
+
 def _fold_step(model, optimizer, x):
     with legacy.amp.scale_loss(model(x).float().pow(2).mean(), optimizer) as scaled:
         scaled.backward()

@@ -1,6 +1,8 @@
 """Apex's ``FP16_Optimizer`` on amp_patch's O2 pieces: the per-optimizer master-weight state (fp32 masters in
 ``param_groups``, unscale into fp32 master grads, skipped steps, masters copied into the model after a step)
-and amp_patch's :class:`~amp_patch.scaling.scaler.LossScaler`.
+and amp_patch's :class:`~amp_patch.scaling.scaler.LossScaler`, with the rules of the scaler Apex's used
+(``apex.amp.scaler.LossScaler``, not the older ``fp16_utils.DynamicLossScaler``). Apex's printed lines are
+printed as Apex printed them (:mod:`amp_patch.legacy.messages`).
 
 Differences from Apex (docs/migration.md): a static ``static_loss_scale`` also skips a step whose grads are
 inf/NaN (Apex applied it); ``state_dict()["loss_scaler"]`` is the scaler's state dict, not a pickled object;
@@ -15,13 +17,22 @@ from ....parallel import ddp as distributed
 from ....scaling.optimizer_state import OptimizerState
 from ....scaling.scaler import LossScaler
 from ....scaling.stages import UNSCALED
+from ... import messages
 
 log = logging.getLogger("amp_patch")
 __all__ = ["FP16_Optimizer"]
-_DYNAMIC_KEYS = {"init_scale", "scale_factor", "scale_window"}
+#: Apex's ``amp.scaler.LossScaler`` keywords (what ``dynamic_loss_args`` may hold). ``scale_factor`` is accepted
+#: and ignored, as there: the scale halves on an overflow and doubles after ``scale_window`` clean steps.
+_DYNAMIC_KEYS = {"init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale"}
+_DEPRECATED = ("Warning:  FP16_Optimizer is deprecated and dangerous, and will be deleted soon.  "
+               "If it still works, you're probably getting lucky.  "
+               "For mixed precision, use the documented API https://nvidia.github.io/apex/amp.html, with opt_level=O1.")
 
 
 def _make_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args):
+    """Apex's ``LossScaler("dynamic", **dynamic_loss_args)``: starts at ``min(init_scale, max_loss_scale)``
+    (2**16, 2**24), halves on an overflow (floored at ``min_loss_scale``, none by default), doubles after
+    ``scale_window`` (2000) clean steps, capped at ``max_loss_scale``."""
     if not dynamic_loss_scale:
         if dynamic_loss_args:
             raise ConfigError("FP16_Optimizer(dynamic_loss_args=...) needs dynamic_loss_scale=True")
@@ -31,11 +42,10 @@ def _make_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args):
     if unknown:
         raise ConfigError(f"FP16_Optimizer(dynamic_loss_args={dynamic_loss_args!r}): unknown keys {sorted(unknown)}; "
                           f"allowed: {sorted(_DYNAMIC_KEYS)}")
-    init = float(args.get("init_scale", 2.0 ** 32))
-    factor = float(args.get("scale_factor", 2.0))
-    return LossScaler("dynamic", init_scale=init, min_loss_scale=1.0, max_loss_scale=max(init, 2.0 ** 24),
-                      growth_factor=factor, backoff_factor=1.0 / factor,
-                      growth_interval=int(args.get("scale_window", 1000)))
+    top = args.get("max_loss_scale", 2.0 ** 24)
+    return LossScaler("dynamic", init_scale=min(args.get("init_scale", 2.0 ** 16), top),
+                      min_loss_scale=args.get("min_loss_scale") or None, max_loss_scale=top,
+                      growth_interval=args.get("scale_window", 2000))
 
 
 class FP16_Optimizer:  # noqa: N801 - Apex's name
@@ -48,6 +58,7 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
 
     def __init__(self, init_optimizer, static_loss_scale=1.0, dynamic_loss_scale=False, dynamic_loss_args=None,
                  verbose=True):
+        messages.maybe_print(_DEPRECATED, 1)  # Apex printed it unconditionally
         self.optimizer = init_optimizer
         self.verbose = verbose
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
@@ -63,6 +74,20 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
             self.fp16_groups.append(halves)
             self.fp32_from_fp16_groups.append([master_of[id(p)] for p in halves])
             self.fp32_from_fp32_groups.append([p for p in group["params"] if id(p) not in model_of])
+        self._print_groups(model_of)
+
+    def maybe_print(self, msg):
+        """Apex's: print ``msg`` when built with ``verbose=True``."""
+        messages.maybe_print(msg, int(bool(self.verbose)))
+
+    def _print_groups(self, model_of):
+        """Apex's ``verbose`` lines: each param group, then each trainable param's type and size."""
+        for i, group in enumerate(self.optimizer.param_groups):
+            self.maybe_print(f"FP16_Optimizer processing param group {i}:")
+            for param in group["params"]:
+                param = model_of.get(id(param), param)
+                if param.requires_grad:
+                    self.maybe_print(f"FP16_Optimizer received {param.type()} with {param.size()}")
 
     # -- the training step -----------------------------------------------------------------------------
     def backward(self, loss, update_master_grads=True, retain_graph=False):
@@ -94,8 +119,12 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
         """Step the wrapped optimizer on the masters (skipped after an overflow) and copy them into the model."""
         loss = closure() if closure is not None else None
         self.update_master_grads()
-        self.optimizer.step()
+        self.optimizer.step()  # (skipped after an overflow)
         self.first_closure_call_this_step = True
+        if self.overflow:  # Apex's line, printed by the skipped step (every rank)
+            messages.maybe_print(f"Gradient overflow.  Skipping step, reducing loss scale to {self.loss_scale}",
+                                 messages.amp_state_verbosity())
+            return None
         return loss
 
     def zero_grad(self, set_grads_to_None=False):  # noqa: N803 - Apex's name
@@ -157,8 +186,10 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
                               f"{state_dict['dynamic_loss_scale']!r} but this optimizer was built with "
                               f"{self.dynamic_loss_scale!r}; build it with the same setting")
         scaler = state_dict["loss_scaler"]
-        if not isinstance(scaler, dict):  # a pickled Apex scaler object
-            scaler = {"loss_scale": getattr(scaler, "cur_scale", getattr(scaler, "loss_scale", 1.0))}
+        if not isinstance(scaler, dict):  # a pickled Apex scaler object (amp.scaler's, or fp16_utils' older one)
+            scale = getattr(scaler, "_loss_scale", getattr(scaler, "cur_scale", None))
+            scaler = {"loss_scale": self.loss_scale if scale is None else scale,
+                      "unskipped": getattr(scaler, "_unskipped", 0)}
         self.loss_scaler.load_state_dict(scaler)
         self.overflow = state_dict["overflow"]
         self.first_closure_call_this_step = state_dict["first_closure_call_this_step"]

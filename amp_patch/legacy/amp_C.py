@@ -226,10 +226,18 @@ def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
         g, p, m, v = _fp32(grads), _fp32(params), _fp32(exp_avg), _fp32(exp_avg_sq)
         g = torch._foreach_div(g, clip)
         update = _adam_update(g, p, m, v, (beta1, beta3, beta2), (bc1, bc2), eps, mode, weight_decay)
+        update = _rounded_like_grads(update, grads, params)
         torch._foreach_mul_(update, _trust_ratios(p, update, lr, weight_decay, use_nvlamb))
         torch._foreach_sub_(p, update)
         for target, value in ((params, p), (exp_avg, m), (exp_avg_sq, v)):
             _write_back(target, value)
+
+
+def _rounded_like_grads(update, grads, params):
+    """Apex's single-dtype LAMB kernel stores stage 1's update into the grad: where grad and param share a half
+    dtype, the update is rounded to it before its norm and stage 2 (an fp32 master with half grads: left fp32)."""
+    return [u.to(g.dtype).float() if g.dtype == q.dtype and g.dtype != torch.float32 else u
+            for u, g, q in zip(update, grads, params)]
 
 
 def _trust_ratios(params, updates, lr, weight_decay, use_nvlamb):

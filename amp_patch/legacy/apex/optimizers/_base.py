@@ -1,6 +1,6 @@
 """What the Fused* optimizers share: Apex's ``zero_grad``/``set_grad_none``, collecting a group's grads,
-running the step's closure, fp32 state buffers, one-line notes for arguments that have no effect here, and
-argument checks."""
+running the step's closure, state buffers (fp32, or in the param's dtype), one-line notes for arguments that
+have no effect here, and argument checks."""
 import logging
 
 import torch
@@ -55,6 +55,14 @@ def fp32_buffer(p, state, key):
     """``state[key]``, created as fp32 zeros shaped like ``p`` (fp32 for half params too) on first use."""
     if key not in state:
         state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    return state[key]
+
+
+def param_dtype_buffer(p, state, key):
+    """``state[key]``, created as zeros in ``p``'s own dtype on first use: Apex's ``torch.zeros_like(p)`` state of
+    FusedLAMB, FusedAdagrad and FusedNovoGrad (their kernels compute in fp32 and store back in that dtype)."""
+    if key not in state:
+        state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
     return state[key]
 
 

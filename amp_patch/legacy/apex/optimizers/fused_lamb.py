@@ -3,7 +3,16 @@ import torch
 
 from ....errors import ConfigError, UsageError
 from ... import amp_C
-from ._base import FusedOptimizer, advance_step, by_device, closure_loss, fp32_buffer, refuse_amsgrad, update_targets
+from ._base import (
+    FusedOptimizer,
+    advance_step,
+    by_device,
+    closure_loss,
+    fp32_buffer,
+    param_dtype_buffer,
+    refuse_amsgrad,
+    update_targets,
+)
 
 
 class FusedLAMB(FusedOptimizer):
@@ -16,8 +25,10 @@ class FusedLAMB(FusedOptimizer):
     3. ``p -= lr * ||p|| / ||update|| * update`` per tensor when ``use_nvlamb`` or the group's weight decay is
        nonzero (and both norms are nonzero), else ``p -= lr * update``.
 
-    State: ``exp_avg``, ``exp_avg_sq`` (fp32 for half params); the step count is ``param_group["step"]``.
-    Unlike Apex's kernel, the grads are left as they were (Apex overwrote them with the update).
+    State: ``exp_avg``, ``exp_avg_sq`` in the param's dtype, as Apex made them (``torch.zeros_like(p)``): for a
+    half param the kernel computes in fp32 and stores the moments back in half, and the update is rounded to the
+    param's dtype before its norm and its application (Apex's kernel wrote it into the half grad). The step count
+    is ``param_group["step"]``. Unlike Apex's kernel, the grads are left as they were.
     """
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
@@ -62,10 +73,11 @@ class FusedLAMB(FusedOptimizer):
         beta1, beta2 = group["betas"]
         for device, pairs in by_device(items).items():
             targets, write_back = update_targets(pairs, self.master_weights)
+            buffer = fp32_buffer if self.master_weights else param_dtype_buffer
             lists = [[p.grad for p, _ in pairs], targets, [], []]
             for p, state in pairs:
-                lists[2].append(fp32_buffer(p, state, "exp_avg"))
-                lists[3].append(fp32_buffer(p, state, "exp_avg_sq"))
+                lists[2].append(buffer(p, state, "exp_avg"))
+                lists[3].append(buffer(p, state, "exp_avg_sq"))
             amp_C.multi_tensor_lamb(0, self._noop_flag(device), lists, group["lr"], beta1, beta2, group["eps"],
                                     step, 1 if group["bias_correction"] else 0, group["weight_decay"],
                                     1 if group["grad_averaging"] else 0, self.adam_w_mode, global_norm.to(device),

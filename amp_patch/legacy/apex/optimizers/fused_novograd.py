@@ -3,7 +3,7 @@ import torch
 
 from ....errors import ConfigError, UsageError
 from ... import amp_C
-from ._base import FusedOptimizer, advance_step, closure_loss, fp32_buffer, refuse_amsgrad
+from ._base import FusedOptimizer, advance_step, closure_loss, param_dtype_buffer, refuse_amsgrad
 
 
 class FusedNovoGrad(FusedOptimizer):
@@ -11,8 +11,9 @@ class FusedNovoGrad(FusedOptimizer):
 
     The second moment is one number per tensor: the blended grad norm (L2 for ``norm_type=2``, max for
     ``norm_type=0``), stored as Apex did in ``param_group["exp_avg_sq"] = [half params' norms, fp32 params'
-    norms]`` and initialised from the first step's norms (or zeros with ``init_zero=True``). Per param state:
-    ``exp_avg``. ``reg_inside_moment=True`` puts the normalised grad plus weight decay into the moment;
+    norms]`` (fp32) and initialised from the first step's norms (or zeros with ``init_zero=True``). Per param
+    state: ``exp_avg``, in the param's dtype as Apex made it (``torch.zeros_like(p)``; for a half param computed in
+    fp32, stored in half). ``reg_inside_moment=True`` puts the normalised grad plus weight decay into the moment;
     the default adds weight decay to the update.
     """
 
@@ -54,7 +55,7 @@ class FusedNovoGrad(FusedOptimizer):
             if not pairs:
                 continue
             lists = [[p.grad for p, _ in pairs], [p for p, _ in pairs],
-                     [fp32_buffer(p, s, "exp_avg") for p, s in pairs]]
+                     [param_dtype_buffer(p, s, "exp_avg") for p, s in pairs]]
             amp_C.multi_tensor_novograd(0, self._noop_flag(norms.device), lists, norms, group["lr"], beta1, beta2,
                                         group["eps"], step, 1 if group["bias_correction"] else 0,
                                         group["weight_decay"], 1 if group["grad_averaging"] else 0,

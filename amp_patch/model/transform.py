@@ -37,22 +37,22 @@ class SparseEmbedding(metaclass=_SparseGradType):
     dtype, the same values as a lookup in the half-rounded weight."""
 
 
-def _caster(dtype):
-    """Cast floating tensors (fp64 excepted unless dtype is fp64) to ``dtype``."""
+def _caster(dtype, fp64=False):
+    """Cast floating tensors (fp64 excepted unless dtype is fp64, or ``fp64``: Apex's ``to_type``) to ``dtype``."""
 
     def cast(t):
         dt = t.dtype
-        if dt is dtype or dt not in FLOAT_DTYPES or (dt is torch.float64 and dtype in HALF_DTYPES):
+        if dt is dtype or dt not in FLOAT_DTYPES or (dt is torch.float64 and dtype in HALF_DTYPES and not fp64):
             return t
         return t.to(dtype=dtype)
 
     return cast
 
 
-def _cast_once(args, kwargs, dtype):
+def _cast_once(args, kwargs, dtype, fp64=False):
     """Cast the call's floating tensors, each distinct tensor once: an argument passed several times stays one
     tensor (``MultiheadAttention``'s fused fast path needs ``query is key is value``)."""
-    cast = _caster(dtype)
+    cast = _caster(dtype, fp64)
     seen = {}  # id -> (source, cast); holding the source keeps its id unique during the call
 
     def cast_one(t):
@@ -178,8 +178,9 @@ class CastInputs(ForwardHook):
     initialize whose weights have another dtype (a new fp32 head), or a cast param given another dtype, is refused
     at the next forward, naming the fix."""
 
-    def __init__(self, like, dtype, keep_types, watch):
+    def __init__(self, like, dtype, keep_types, watch, fp64=False):
         self.like, self.dtype, self.keep_types, self.watch = like, dtype, keep_types, watch
+        self.fp64 = fp64  # the apex alias: float64 inputs are cast too (Apex's to_type)
         self.checked = watch.generation
 
     def __call__(self, module, args, kwargs):
@@ -188,7 +189,7 @@ class CastInputs(ForwardHook):
         if self.watch.generation != self.checked:
             _check_dtypes(module, dtype, self.keep_types)
             self.checked = self.watch.generation
-        return _cast_once(args, kwargs, dtype)
+        return _cast_once(args, kwargs, dtype, getattr(self, "fp64", False))
 
 
 def _check_dtypes(model, dtype, keep_types):
@@ -207,13 +208,14 @@ def _check_dtypes(model, dtype, keep_types):
 
 
 class CastOutputs(ForwardHook):
-    """Forward hook: floating outputs to a fixed dtype (``cast_model_outputs``, fp32 by default)."""
+    """Forward hook: floating outputs to a fixed dtype (``cast_model_outputs``, fp32 by default); ``fp64``: float64
+    outputs too (the apex alias, as Apex's ``to_type``)."""
 
-    def __init__(self, dtype):
-        self.dtype = dtype
+    def __init__(self, dtype, fp64=False):
+        self.dtype, self.fp64 = dtype, fp64
 
     def __call__(self, module, args, out):
-        return cast_tree(out, _caster(self.dtype))
+        return cast_tree(out, _caster(self.dtype, getattr(self, "fp64", False)))
 
 
 class CastArgsTo(ForwardHook):
@@ -342,10 +344,15 @@ class ModelPatch:
         buffer_ids = {id(buffer) for _, _, buffer, _ in self.buffers}
         self.kept = {k: v for k, v in self.kept.items() if k in buffer_ids}
 
-    def cast_io(self, input_dtype, output_dtype, keep_types, compute_copies=None):
+    def cast_outputs(self, output_dtype, fp64=False):
+        """Cast the model's floating outputs to ``output_dtype`` (O1's ``cast_model_outputs``)."""
+        self.handles.append(forward_hook(self.model, CastOutputs(output_dtype, fp64)))
+
+    def cast_io(self, input_dtype, output_dtype, keep_types, compute_copies=None, fp64=False):
         """Cast floating inputs of the model to its weights' dtype and its outputs to ``output_dtype``.
         ``compute_copies(model, dtype, keep_types, watch, slots)``: the ``ComputeCopies`` class, O2's half weights
-        per call (installed first: the input cast follows the weights the forward uses)."""
+        per call (installed first: the input cast follows the weights the forward uses). ``fp64``: float64
+        inputs and outputs are cast too (the apex alias, as Apex's ``to_type``)."""
         watch = RegistrationWatch()
         self.handles.append(watch)  # before it installs: restore() removes it whenever an interrupt lands
         watch.install()
@@ -353,9 +360,9 @@ class ModelPatch:
             copies = compute_copies(self.model, input_dtype, keep_types, watch, self.like.slots)
             self.handles.append(copies)
             copies.attach()
-        self.handles.append(forward_pre_hook(self.model, CastInputs(self.like, input_dtype, keep_types, watch),
+        self.handles.append(forward_pre_hook(self.model, CastInputs(self.like, input_dtype, keep_types, watch, fp64),
                                              with_kwargs=True))
-        self.handles.append(forward_hook(self.model, CastOutputs(output_dtype)))
+        self.cast_outputs(output_dtype, fp64)
         if input_dtype in HALF_DTYPES:
             self._keep_modules_fp32(keep_types, input_dtype)
 
@@ -382,8 +389,23 @@ class ModelPatch:
             restored += [(name, dtype, masters.get(pid), param) for name in params.get(pid, ())]
         for module, name, _, dtype in self.buffers:
             restored += [(path + name, dtype, None, None) for path in buffers.get(id(module), ())]
-        self.handles.append(self.model.register_state_dict_post_hook(StateDictHook(restored, to_model)))
+        for module, own in self._restored_per_module(masters):
+            self.handles.append(module.register_state_dict_post_hook(StateDictHook(own, to_model)))
         self.handles.append(self.model.register_load_state_dict_pre_hook(LoadMastersHook(restored, to_model)))
+
+    def _restored_per_module(self, masters):
+        """``(module, its own entries)`` for every module holding something amp_patch cast: each module's
+        state_dict hook restores only its own params and buffers, so a submodule's ``state_dict()`` holds fp32
+        too (as Apex's ``O2StateDictHook`` on every module) and the model's converts each entry once."""
+        buffers = {}
+        for module, name, _, dtype in self.buffers:
+            buffers.setdefault(id(module), []).append((name, dtype, None, None))
+        for module in self.model.modules():
+            own = [(name, self.original_dtypes[id(p)][1], masters.get(id(p)), p)
+                   for name, p in module._parameters.items() if p is not None and id(p) in self.original_dtypes]
+            own += buffers.get(id(module), [])
+            if own:
+                yield module, own
 
     def restore(self, masters=None):
         """Remove the hooks and give params/buffers back their dtypes (params get the master values; after a

@@ -182,7 +182,9 @@ def _prepare_models(session, models):
     """Cast models (O0/O2/O3) and their inputs/outputs; returns the fp32 data of params cast to half."""
     props = session.props
     fp32_data = {}
-    if props.cast_model_type is None:
+    fp64 = _state.two_copy_layout()  # the apex alias: Apex's to_type casts float64 model inputs/outputs too
+    if props.cast_model_type is None:  # O1: outputs cast only when cast_model_outputs is given (as Apex)
+        _cast_outputs_only(session, models, props.cast_model_outputs, fp64)
         return fp32_data
     keep = props.keep_fp32_modules
     if props.keep_batchnorm_fp32:
@@ -199,8 +201,19 @@ def _prepare_models(session, models):
         session.undo.append(lambda patch=patch: patch.restore(_restore_values(session, patch)))
         fp32_data.update(patch.cast(props.cast_model_type, keep, params=not copies))
         patch.cast_io(props.cast_model_type, props.cast_model_outputs or torch.float32, keep,
-                      compute_copies=ComputeCopies if copies else None)
+                      compute_copies=ComputeCopies if copies else None, fp64=fp64)
     return fp32_data
+
+
+def _cast_outputs_only(session, models, output_dtype, fp64):
+    """Uncast models (O1) with ``cast_model_outputs``: their outputs are cast to it, as Apex's patched forward."""
+    if output_dtype is None:
+        return
+    for model in models:
+        patch = ModelPatch(model)
+        session.casting.model_patches.append(patch)
+        session.undo.append(patch.restore)
+        patch.cast_outputs(output_dtype, fp64)
 
 
 def _restore_values(session, patch):

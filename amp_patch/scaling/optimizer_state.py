@@ -331,7 +331,8 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
             self.engine.resume_after_step()
         self.stepping = max(self.stepping - 1, 0)
         if self.closure_overflow:  # (the scaler backed off already; the next step is not skipped for it)
-            self.snapshot.restore()
+            if self.snapshot is not None:  # (None: a scale_loss inside another optimizer's step without a closure)
+                self.snapshot.restore()
             self.last_skipped, self.next_step, self.closure_overflow = True, READY, False
         self.snapshot = None
         self.storage.after_step(self.pairs, self.last_skipped)

@@ -36,6 +36,7 @@ class DoctorReport:
     op_list: str = None  # the YAML text of the fix
     written: str = None  # where it was written
     measure: str = None  # the experiment command that measures the written list against the one it extends
+    intended: list = dataclasses.field(default_factory=list)  # ops whose inf/NaN float32 holds too (masks)
     log: list = dataclasses.field(default_factory=list)
     seconds: dict = dataclasses.field(default_factory=dict)
 
@@ -144,13 +145,15 @@ def _diagnose(report, job, run, half_dtype, base):
     """Float32 replay (is it genuine?), then the candidate search. The fixes, or None when the report is final."""
     failure = run.failure
     precise = replay(job, failure.state, failure.batch, half_dtype=half_dtype, op_lists=None, precise=True)
-    if not precise.clean:
+    if precise.genuine:
         report.culprits = [c.as_dict() for c in precise.culprits[:1]]
         where = (f"model input(s) {precise.bad_inputs} of the batch at step {failure.step} already hold inf/NaN"
                  if precise.bad_inputs else _first_culprit_text(precise.culprits, "in float32 too"))
         _finish(report, NOT_FIXABLE, f"not fixable by op lists: the failure is a genuine non-finite value, not "
                 f"half precision: {where}. Check the data, or guard the op (e.g. clamp before log).")
         return None
+    _note_intended(report, precise)
+    failure.intended = precise.intended
     fixes, found, first, last = search(job, failure, half_dtype=half_dtype, base=base, log=report.log)
     if first is not None and first.clean:
         _finish(report, NOT_FIXABLE, f"not fixable by op lists: the batch of step {failure.step} runs cleanly under "
@@ -165,6 +168,16 @@ def _diagnose(report, job, run, half_dtype, base):
                 f"op-list change the doctor tried removed the bad values ({_first_culprit_text(found, '')})")
         return None
     return fixes
+
+
+def _note_intended(report, precise):
+    """The float32 replay's own non-finite values (masks): said in the report, then not counted as failures."""
+    ops = precise.intended_ops()
+    if ops:
+        report.intended = ops
+        report.log.append(f"float32 replay: loss {precise.loss:.4g}, gradients finite; the non-finite values of "
+                          f"{', '.join(ops[:4])}{' and more' if len(ops) > 4 else ''} are the model's own (masks) "
+                          "and do not count as failures")
 
 
 def _first_culprit_text(culprits, suffix):

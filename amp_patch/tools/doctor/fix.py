@@ -102,7 +102,8 @@ def _minimize(job, failure, half_dtype, base, fixes, log, narrow):
 
 def _replay(job, failure, half_dtype, base, fixes):
     try:
-        return replay(job, failure.state, failure.batch, half_dtype=half_dtype, op_lists=op_list_spec(base, fixes))
+        return replay(job, failure.state, failure.batch, half_dtype=half_dtype, op_lists=op_list_spec(base, fixes),
+                      intended=failure.intended)
     except AmpPatchError:  # the candidate does not load as an op-list entry (e.g. an op no target holds)
         return None
 

@@ -37,6 +37,10 @@ def markdown(report):
     lines += _run_line("after the fix", r.after)
     if r.fp32_final_loss is not None:
         lines.append(f"- float32 (O0) final loss: {_fmt(r.fp32_final_loss)}")
+    if r.intended:
+        lines.append("- intended non-finite values (float32 holds them too, with a finite loss and gradients; not "
+                     "counted as failures): " + ", ".join(r.intended[:4]) + (" and more" if len(r.intended) > 4
+                                                                           else ""))
     lines += _culprit_table(r.culprits, r.half_dtype)
     if r.fixes:
         lines += ["", "## Op-list change", ""]

@@ -27,6 +27,7 @@ class Failure:
     cause: str
     state: dict
     batch: list
+    intended: dict = None  # the float32 replay's non-finite values (masks): not failures (doctor.locate)
 
 
 @dataclasses.dataclass

@@ -2,15 +2,22 @@
 
 A variant is *within tolerance* when, at every step, its loss differs from fp32's by at most
 ``loss_tolerance`` (relative) times fp32's loss at that step, plus ``_ABS_SLACK`` (so that a loss near zero
-does not make every difference count). :func:`ranking` orders the variants by their step-time ratio to fp32
-(fp32 itself counts 1.00x); the table lists its rows in that order and the verdict reads it. The verdict
-recommends the first variant in the ranking that ran to the end within tolerance and whose lead is
-*significant*: measured over at least :data:`MIN_ROUNDS` rounds, with a min-max over the rounds that excludes
-1.00x. A lead that is not significant is never recommended: then the verdict says there is no significant
-difference and to stay with fp32 (or measure longer). Variants beyond the tolerance, and those that failed,
-diverged or timed out, are flagged.
+does not make every difference count). :func:`ranking` orders the variants by the step time the table shows
+(the median over the rounds; ties and rows without one by their ratio to fp32); the table lists its rows in that
+order and the verdict reads it.
+
+One rule for every claim that a variant is faster than another (fp32 included): its lead is *significant*, the
+per-round ratio of the two (round i against round i) measured over at least :data:`MIN_ROUNDS` rounds with a
+min-max that excludes 1.00x (:func:`pair_ratio`). The verdict recommends the first variant in the ranking that
+ran to the end within tolerance and is significantly faster than fp32; it calls it *the fastest* only when its
+lead over every other such variant is significant too, and else names the ones it cannot tell apart. Two
+variants that computed the same thing (the same losses bitwise, the same casts: :func:`identical`) are said to
+be identical, never one faster than the other. A lead that is not significant is never recommended: then the
+verdict says there is no significant difference and to stay with fp32 (or measure longer). Variants beyond the
+tolerance, and those that failed, diverged or timed out, are flagged.
 """
 import math
+import statistics
 
 LOSS_TOLERANCE = 0.05
 _ABS_SLACK = 1e-3
@@ -35,11 +42,48 @@ def loss_gap(variant, fp32):
 
 
 def ranking(variants):
-    """The variant names, fastest first by step-time ratio to fp32 (fp32 1.00x); those without a ratio last,
-    in their given order. The one order the table and the verdict use."""
+    """The variant names, fastest first by the median step time the table shows; ties, and those without one,
+    by their step-time ratio to fp32 (fp32 1.00x); those with neither last, in their given order. The one order
+    the table and the verdict use."""
     names = list(variants)
-    return sorted(names, key=lambda n: (variants[n].get("ratio_to_fp32") is None,
-                                        variants[n].get("ratio_to_fp32") or 0.0, names.index(n)))
+
+    def key(n):
+        ms, ratio = variants[n].get("median_step_ms"), variants[n].get("ratio_to_fp32")
+        return (ratio is None and ms is None, ms is None, ms or 0.0, ratio is None, ratio or 0.0, names.index(n))
+    return sorted(names, key=key)
+
+
+def pair_ratio(a, b):
+    """Variant ``a``'s step time over ``b``'s, round by round: ``{"ratio" (median), "low", "high", "rounds",
+    "significant"}`` (significant: at least MIN_ROUNDS rounds and a min-max excluding 1.00x); None when no round
+    timed both."""
+    per_round = [x["median_step_ms"] / y["median_step_ms"] for x, y in zip(a.get("rounds") or (), b.get("rounds") or ())
+                 if x.get("median_step_ms") and y.get("median_step_ms")]
+    if not per_round:
+        return None
+    low, high = min(per_round), max(per_round)
+    return {"ratio": statistics.median(per_round), "low": low, "high": high, "rounds": len(per_round),
+            "significant": len(per_round) >= MIN_ROUNDS and not low <= 1.0 <= high}
+
+
+def identical(a, b):
+    """Whether two variants computed the same thing: the same losses bitwise at every step and the same casts
+    per iteration (all of them, and of weights); their step times can then differ by the machine's noise only."""
+    keys = ("casts_per_iteration", "weight_casts_per_iteration")
+    return (bool(a.get("losses")) and a.get("losses") == b.get("losses") and a.get("loss_scales") == b.get("loss_scales")
+            and all(a.get(k) is not None and a.get(k) == b.get(k) for k in keys))
+
+
+def identical_groups(variants, names):
+    """Groups (lists of two or more names, in ``names``' order) of variants that computed identically."""
+    groups = []
+    for name in names:
+        group = next((g for g in groups if identical(variants[g[0]], variants[name])), None)
+        if group is None:
+            groups.append([name])
+        else:
+            group.append(name)
+    return [g for g in groups if len(g) > 1]
 
 
 def timed_rounds(variant):
@@ -60,19 +104,39 @@ def verdict(variants, loss_tolerance=LOSS_TOLERANCE):
     candidates = [name for name in ranking(variants) if name not in not_ok and name not in beyond
                   and variants[name].get("ratio_to_fp32") is not None]
     leader = candidates[0] if candidates else None
-    faster = [n for n in candidates if n != "fp32" and variants[n]["ratio_to_fp32"] < 1.0]
+    same = identical_groups(variants, [n for n in ranking(variants) if n not in not_ok])
+    as_fp32 = next((g for g in same if "fp32" in g), [])
+    faster = [n for n in candidates if n != "fp32" and variants[n]["ratio_to_fp32"] < 1.0 and n not in as_fp32]
     fastest = next((n for n in faster if variants[n].get("ratio_to_fp32_significant")), None)
     if fastest is None and candidates and "fp32" in candidates:
         fastest = "fp32"
     out = {"loss_tolerance": loss_tolerance, "fastest": fastest, "ratio": None, "significant": None,
            "leader": leader, "beyond_tolerance": beyond, "not_ok": not_ok, "loss_gaps": gaps,
            "rounds": timed_rounds(variants[leader] if leader else fp32 or {}),
-           "compared": [n for n in candidates if n != "fp32"]}
+           "compared": [n for n in candidates if n != "fp32"], "identical": same, "ties": [], "beaten": []}
+    if fastest not in (None, "fp32"):
+        out["ties"], out["beaten"] = _against_others(fastest, candidates, variants, same)
     if fastest is not None:
         out["ratio"] = variants[fastest]["ratio_to_fp32"]
         out["significant"] = bool(variants[fastest]["ratio_to_fp32_significant"])
     out["text"] = _text(out, variants)
     return out
+
+
+def _against_others(fastest, candidates, variants, same):
+    """The other candidates (fp32 aside) ``fastest``'s lead over is not significant (``ties``: [(name, pair)])
+    and is (``beaten``); those computing identically to it are neither."""
+    twins = next((g for g in same if fastest in g), [])
+    ties, beaten = [], []
+    for name in candidates:
+        if name in ("fp32", fastest) or name in twins:
+            continue
+        pair = pair_ratio(variants[fastest], variants[name])
+        if pair is not None and pair["significant"] and pair["ratio"] < 1.0:
+            beaten.append(name)
+        else:
+            ties.append((name, pair))
+    return ties, beaten
 
 
 def _label(name):
@@ -83,7 +147,17 @@ def _text(v, variants):
     flags = [f"{_label(n)} loss gap {_pct(gap)} of fp32's loss exceeds {v['loss_tolerance']:.0%}" for n, gap in
              v["beyond_tolerance"].items()]
     flags += [f"{_label(n)} {status}" for n, status in v["not_ok"].items()]
-    return "Verdict: " + _head(v, variants) + ("; flagged: " + "; ".join(flags) if flags else "") + "."
+    same = [_same_text(group, variants) for group in v["identical"]]
+    return ("Verdict: " + _head(v, variants) + "".join(f"; {text}" for text in same)
+            + ("; flagged: " + "; ".join(flags) if flags else "") + ".")
+
+
+def _same_text(group, variants):
+    casts = variants[group[0]].get("casts_per_iteration")
+    names = [_label(n) for n in group]
+    return (f"{', '.join(names[:-1])} and {names[-1]} compute identically (the same losses bitwise, the same "
+            f"{casts:g} casts per iteration): one computation, and their step times differ by the machine's noise "
+            "only")
 
 
 def _head(v, variants):
@@ -96,12 +170,7 @@ def _head(v, variants):
             return f"no variant to recommend: fp32 (O0), the reference, {fp32['status']} without a timed round"
         return f"no variant to recommend: none ran with its loss within {tolerance} of fp32's"
     if v["fastest"] != "fp32":
-        name = v["fastest"]
-        head = (f"{_label(name)} is the fastest variant whose loss stays within {tolerance} of fp32's: "
-                f"{v['ratio']:.2f}x fp32's step time (significant over {_rounds(timed_rounds(variants[name]))})")
-        if v["leader"] != name:
-            head += f"; {_unproven(v['leader'], variants)}"
-        return head
+        return _recommended(v, variants, tolerance)
     if len(variants) == 1:
         return "only fp32 (O0) ran: nothing to compare"
     if not v["compared"]:
@@ -112,6 +181,36 @@ def _head(v, variants):
                 f"or rerun with more --rounds/--steps ({_unproven(leader, variants, tolerance)})")
     return (f"stay with {_label('fp32')}: no variant whose loss stays within {tolerance} of fp32's is faster here; "
             "`amp-patch speed --job MODULE:FUNCTION` shows what holds its step back (docs/speed.md)")
+
+
+def _recommended(v, variants, tolerance):
+    name = v["fastest"]
+    twins = [n for g in v["identical"] if name in g for n in g if n != name]
+    label = _label(name) + (f" (the same computation as {_names(twins)})" if twins else "")
+    figure = (f"{v['ratio']:.2f}x fp32's step time (significant over {_rounds(timed_rounds(variants[name]))})")
+    if not v["ties"]:
+        head = f"{label} is the fastest variant whose loss stays within {tolerance} of fp32's: {figure}"
+        return head + (f", and significantly faster than {_names(v['beaten'])} too" if v["beaten"] else "")
+    head = f"{label} is significantly faster than fp32 with its loss within {tolerance} of fp32's: {figure}"
+    proven = [(n, pair) for n, pair in v["ties"] if variants[n].get("ratio_to_fp32_significant")]
+    if proven:
+        head += (f"; so is {_names([n for n, _ in proven])}, and the lead between them is not significant, so "
+                 "either will do (" + "; ".join(_tie_text(name, n, pair, variants) for n, pair in proven) + ")")
+    return head + "".join(f"; {_unproven(n, variants)}" for n, _ in v["ties"] if (n, _) not in proven)
+
+
+def _names(names):
+    labels = [_label(n) for n in names]
+    return labels[0] if len(labels) == 1 else f"{', '.join(labels[:-1])} and {labels[-1]}"
+
+
+def _tie_text(name, other, pair, variants):
+    against = f"{_label(other)} {variants[other]['ratio_to_fp32']:.2f}x fp32's"
+    if pair is None:
+        return f"{against}, and no round timed both"
+    why = (f"min-max {pair['low']:.2f}-{pair['high']:.2f} includes 1.00x" if pair["low"] <= 1.0 <= pair["high"] else
+           f"only {_rounds(pair['rounds'])}, and a min-max needs at least {MIN_ROUNDS}")
+    return f"{against}; {_label(name)} over {_label(other)} per round {pair['ratio']:.2f}x, {why}"
 
 
 def _rounds(n):

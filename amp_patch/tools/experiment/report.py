@@ -102,7 +102,7 @@ def label(variant):
 
 
 _COLUMNS = ("variant", "status", "median step ms (min-max)", "step time vs fp32 (<1 faster)",
-            "vs native (<1 faster)", "peak mem MiB (+in run)", "state MiB",
+            "vs native (<1 faster)", "peak mem MiB (+in run)", "state MiB", "weights a step left unchanged",
             "final loss", "max \\|Δloss\\| vs fp32", "skipped steps", "final loss scale", "casts/iter",
             "syncs/step")
 
@@ -115,6 +115,7 @@ def markdown(report):
         v = report["variants"][name]
         cells = [label(name), v["status"], _spread(v["median_step_ms"], v["step_ms_min"], v["step_ms_max"]),
                  _times(v, "fp32"), _times(v, "native"), _memory(v), _num(v.get("state_mib"), 2),
+                 _share(v.get("unchanged_by_update")),
                  _num(v["final_loss"], 4),
                  _num(v["max_loss_deviation_from_fp32"], 4), str(v["skipped_steps"]),
                  _num(v["final_loss_scale"], 0), _num(v["casts_per_iteration"], 0), _num(v["syncs_per_step"], 0)]
@@ -146,9 +147,11 @@ def _notes(report):
     return (f"{_step_times_note(report)}; a ratio is the variant's step time over fp32's (or "
             "native's): below 1.00x is faster. It is taken round by round, and *n.s.* marks one whose min-max "
             f"includes 1.00x or that has fewer than {MIN_ROUNDS} rounds (not significant). Rows after fp32 go "
-            f"fastest first, in the verdict's order. Peak memory: {'; '.join(kinds) or 'n/a'} (+ its growth "
+            f"fastest first by median step time, in the verdict's order. Peak memory: {'; '.join(kinds) or 'n/a'} (+ its growth "
             "during the run). State MiB: weights + grads + optimizer state (masters kept beside the weights "
-            "included), from the tensors' storages, each counted once. Casts/iter: aten._to_copy calls in one "
+            "included), from the tensors' storages, each counted once. Weights a step left unchanged: of the weights "
+            "with a nonzero gradient, the share one more step after the last round left bitwise as they were (lost "
+            "updates: half weights under O3 drop updates below their resolution). Casts/iter: aten._to_copy calls in one "
             "forward+backward+step.")
 
 
@@ -185,6 +188,10 @@ def _num(value, digits):
     if math.isinf(value) or math.isnan(value):
         return str(value)
     return f"{value:.{digits}f}" if digits or abs(value) < 1e7 else f"{value:.3g}"
+
+
+def _share(value):
+    return "-" if value is None else f"{value:.1%}"
 
 
 def _memory(v):

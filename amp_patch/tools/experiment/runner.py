@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from .models import as_job, load_job
+from .stagnation import UnchangedByUpdate
 from .state_bytes import state_mib
 from .variants import CastCounter, count_syncs, make_variant
 
@@ -64,7 +65,7 @@ def new_result(variant, isolated):
             "peak_memory_mib": None, "memory_at_start_mib": None, "memory_kind": None, "final_loss": None,
             "final_loss_scale": None, "rounds": [], "step_ms_min": None, "step_ms_max": None,
             "peak_memory_median_mib": None, "peak_memory_min_mib": None, "peak_memory_max_mib": None,
-            "state_mib": None}
+            "state_mib": None, "unchanged_by_update": None}
 
 
 def mark_interrupted(result, config):
@@ -137,7 +138,10 @@ class VariantRun:
             record["peak_memory_mib"] = _peak_since_reset_mib(self.device)
 
     def close(self):
-        """Undo the variant (deinitialize), restore the thread count; returns the finished result dict."""
+        """Undo the variant (deinitialize), restore the thread count; returns the finished result dict. A run
+        that finished its rounds first takes one more (unrecorded) step to measure its lost updates."""
+        if self.active and len(self.result["rounds"]) >= len(self.config.round_sizes()):
+            self._measure_lost_updates()
         self.active = False
         with self._guard():
             if self.runner is not None:
@@ -146,6 +150,16 @@ class VariantRun:
         _finish(self.result, self.device, self.result["isolated"])
         _finish_memory(self.result, self._peak_before_resets)
         return self.result
+
+    def _measure_lost_updates(self):
+        """``unchanged_by_update``: the share of weights with a nonzero gradient that one more step left as they
+        were (:mod:`.stagnation`); None when that step was skipped (a loss-scale overflow)."""
+        with self._guard():
+            batch = [t.to(self.device) if torch.is_tensor(t) else t for t in next(self.batches)]
+            with UnchangedByUpdate(self.optimizer) as probe:
+                _one_step(self.model, self.optimizer, self.runner, self.job, batch)
+            if not self.runner.last_skipped(self.optimizer):
+                self.result["unchanged_by_update"] = probe.share
 
     def snapshot(self):
         """A copy of the result as ``close()`` would finish it now (what an interrupted experiment keeps)."""

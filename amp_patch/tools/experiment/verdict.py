@@ -20,6 +20,8 @@ import math
 import statistics
 
 LOSS_TOLERANCE = 0.05
+#: the share of weights a step leaves unchanged (nonzero gradient) from which a variant is flagged for lost updates
+LOST_UPDATES = 0.05
 _ABS_SLACK = 1e-3
 #: the fewest rounds whose min-max can make a ratio significant (with 1 or 2 the spread says little)
 MIN_ROUNDS = 3
@@ -147,6 +149,8 @@ def _text(v, variants):
     flags = [f"{_label(n)} loss gap {_pct(gap)} of fp32's loss exceeds {v['loss_tolerance']:.0%}" for n, gap in
              v["beyond_tolerance"].items()]
     flags += [f"{_label(n)} {status}" for n, status in v["not_ok"].items()]
+    flags += [f"{_label(n)} lost updates: {_lost_text(variants[n])}" for n in variants if n not in v["not_ok"]
+              and (variants[n].get("unchanged_by_update") or 0.0) >= LOST_UPDATES]
     same = [_same_text(group, variants) for group in v["identical"]]
     return ("Verdict: " + _head(v, variants) + "".join(f"; {text}" for text in same)
             + ("; flagged: " + "; ".join(flags) if flags else "") + ".")
@@ -188,6 +192,7 @@ def _recommended(v, variants, tolerance):
     twins = [n for g in v["identical"] if name in g for n in g if n != name]
     label = _label(name) + (f" (the same computation as {_names(twins)})" if twins else "")
     figure = (f"{v['ratio']:.2f}x fp32's step time (significant over {_rounds(timed_rounds(variants[name]))})")
+    figure += _lost_caveat(name, variants[name])
     if not v["ties"]:
         head = f"{label} is the fastest variant whose loss stays within {tolerance} of fp32's: {figure}"
         return head + (f", and significantly faster than {_names(v['beaten'])} too" if v["beaten"] else "")
@@ -197,6 +202,23 @@ def _recommended(v, variants, tolerance):
         head += (f"; so is {_names([n for n, _ in proven])}, and the lead between them is not significant, so "
                  "either will do (" + "; ".join(_tie_text(name, n, pair, variants) for n, pair in proven) + ")")
     return head + "".join(f"; {_unproven(n, variants)}" for n, _ in v["ties"] if (n, _) not in proven)
+
+
+def _lost_text(variant):
+    share = variant["unchanged_by_update"]
+    return (f"a step left {share:.0%} of the weights with a nonzero gradient unchanged (updates below the weights' "
+            "resolution are lost; a loss over a few steps cannot show it)")
+
+
+def _lost_caveat(name, variant):
+    """The lost-updates figure of a recommended variant: always for O3 (half weights), else when it is high."""
+    share = variant.get("unchanged_by_update")
+    if share is None:
+        return ", its lost updates not measured (its last step was skipped or did not run)" if name == "O3" else ""
+    if share >= LOST_UPDATES:
+        return (f", but {_lost_text(variant)}: check its loss over a longer run, or use O2 (float32 masters keep "
+                "every update)")
+    return f", and a step left {share:.1%} of its weights unchanged (no lost updates)" if name == "O3" else ""
 
 
 def _names(names):

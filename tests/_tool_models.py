@@ -188,3 +188,7 @@ def gpt2_small_lr_job():
     """GPT-2 trained with a small learning rate: under O3 (half weights), many updates fall below the weights'
     resolution and are lost."""
     return _job(gpt2, "gpt2_small_lr", False, lr=1e-3)
+
+
+def masked_job():
+    return _job(masked, "masked", False)

@@ -63,6 +63,24 @@ def job_raised(command, exc, args):
     return error(command, job_error(args.job, "running it", exc), args)
 
 
+def opt_level_type(allowed):
+    """An argparse ``type`` for ``--opt-level``: one of ``allowed``; a near miss (``01``, ``o1``, `` O1``) gets the
+    core's hint (the digit zero, case, whitespace)."""
+    def parse(value):
+        from ..config.opt_levels import check_opt_level
+        from ..errors import ConfigError
+        try:
+            level = check_opt_level(value)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(f"{value!r}; allowed: {', '.join(allowed)}."
+                                             f"{str(exc).split('.', 1)[1] if '.' in str(exc) else ''}") from None
+        if level not in allowed:
+            raise argparse.ArgumentTypeError(f"{value!r}; allowed here: {', '.join(allowed)}")
+        return level
+    parse.__name__ = "opt level"
+    return parse
+
+
 class _HalfDtype(argparse.Action):
     """``--half-dtype``: any of config.dtypes.HALF_DTYPE_NAMES, stored as the canonical name; what the user
     typed is kept in ``half_dtype_given`` (see :func:`echo_half_dtype`)."""

@@ -3,13 +3,14 @@
 Jobs follow the experiment runner's convention (``amp_patch.tools.experiment.models``): ``--job module:function``
 or a built-in ``--model``.
 """
+import contextlib
 import json
 
 import torch
 
 from ..config.dtypes import parse_half_dtype
 from ..errors import AmpPatchError
-from .cli import add_half_dtype, add_verbose, echo_half_dtype, error, job_raised
+from .cli import add_half_dtype, add_verbose, echo_half_dtype, error, job_raised, opt_level_type
 
 
 def add_parser(subparsers):
@@ -19,7 +20,7 @@ def add_parser(subparsers):
                         "returning a job (see amp_patch.tools.experiment.models)")
     parser.add_argument("--model", default="transformer", help="built-in job when --job is not given "
                         "(mlp, cnn, transformer; default transformer)")
-    parser.add_argument("--opt-level", default="O1", choices=["O1"], help="tracing needs O1's patches")
+    parser.add_argument("--opt-level", default="O1", type=opt_level_type(("O1",)), help="tracing needs O1's patches")
     add_half_dtype(parser, "bfloat16", "as amp-patch experiment; see README, 'Half dtype'")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the iteration runs "
                         "(default cpu)")
@@ -52,8 +53,9 @@ def check_device(device):
 
 
 def trace_one_iteration(job, *, half_dtype=torch.bfloat16, op_lists=None, modules=True, device="cpu"):
-    """Run one forward/backward/step of ``job`` under O1 inside ``amp_patch.trace()``; returns the tracer. The
-    optimizer's own step is not listed: casting is paused inside ``step()``."""
+    """Run one forward/backward/step of ``job`` under O1, its forward and backward inside ``amp_patch.trace()``;
+    returns the tracer. amp_patch's own work is not listed: the unscale and finiteness check as ``scale_loss``
+    exits, and the optimizer's step (casting is paused inside ``step()``)."""
     import amp_patch
 
     device = check_device(device)
@@ -67,11 +69,13 @@ def trace_one_iteration(job, *, half_dtype=torch.bfloat16, op_lists=None, module
     model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O1", half_dtype=half_dtype,
                                             op_lists=op_lists, verbosity=0)
     try:
-        with amp_patch.trace(modules=modules) as tracer:
+        with contextlib.ExitStack() as tracing:
+            tracer = tracing.enter_context(amp_patch.trace(modules=modules))
             loss = job.loss_fn(model(*batch[:-1]), batch[-1])
             with amp_patch.scale_loss(loss, optimizer) as scaled:
                 scaled.backward()
-            optimizer.step()
+                tracing.close()  # before scale_loss exits: its unscale and finiteness check are amp_patch's work
+        optimizer.step()
         return tracer
     finally:
         amp_patch.deinitialize()

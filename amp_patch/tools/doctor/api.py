@@ -8,6 +8,7 @@ import time
 import torch
 
 from ...config.dtypes import parse_half_dtype
+from ...config.opt_levels import check_opt_level
 from ...errors import ConfigError, UsageError
 from ...session import state as _state
 from ..experiment.models import as_job, load_job
@@ -95,6 +96,8 @@ def _check_args(opt_level, half_dtype, steps, op_lists):
     if _state.current() is not None or _state.active_engine() is not None:
         raise UsageError("amp_patch.doctor() trains the job in its own sessions; call amp_patch.deinitialize() "
                          "(or close the autocast() region) first")
+    if opt_level != "O1" and not (isinstance(opt_level, str) and opt_level in ("O0", "O2", "O3")):
+        check_opt_level(opt_level)  # a near miss ("01", "o1") gets its hint
     if opt_level != "O1":
         raise ConfigError(
             f"opt_level={opt_level!r}; allowed: 'O1'. The doctor proposes op-list changes, and op lists act only "

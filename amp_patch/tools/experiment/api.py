@@ -64,7 +64,7 @@ def run_experiment(jobs, *, variants=VARIANTS, steps=40, half_dtype=torch.bfloat
     plans = [_plan(ref, variants, config, shared if op_lists is not None else None) for ref in refs]
     plans = [(ref, title, *rest) for (ref, _, *rest), title in zip(plans, job_titles(refs, [p[1] for p in plans]))]
     bar = Progress(sum(len(p[2]) for p in plans), config.steps, enabled=progress)
-    bar.announce(_starting_line(refs, variants, config, isolate))
+    bar.announce(_starting_line(refs, [p[2] for p in plans], config, isolate))
     reports = []
     processes = Processes() if isolate else None  # one per variant, reused from job to job
     try:
@@ -117,10 +117,14 @@ def with_reference(variants):
     return ("fp32",) + tuple(variants)
 
 
-def _starting_line(refs, variants, config, isolate):
+def _starting_line(refs, planned, config, isolate):
+    """``planned``: each job's variants as they run (O1 expanded into one row per op list)."""
     where = "in separate processes" if isolate else "in this process"
+    counts = sorted({len(v) for v in planned})
     jobs = f" x {len(refs)} jobs" if len(refs) > 1 else ""
-    return (f"starting {len(variants)} variant{'s' if len(variants) != 1 else ''}{jobs} {where} "
+    count = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    plural = "s" if counts != [1] else ""
+    return (f"starting {count} variant{plural}{jobs} {where} "
             f"({config.steps} steps, {str(config.half_dtype).replace('torch.', '')}, {config.device}"
             f"{_fewer_rounds(config)})...")
 

@@ -42,6 +42,8 @@ def parse_variants(variants):
 
 
 def _case_hint(name):
+    if name[:1] == "0" and "O" + name[1:] in VARIANTS + ("O0",):
+        return f". The first character is the digit zero; opt levels start with the capital letter O ('O{name[1:]}')"
     for known in VARIANTS + tuple(EXTRA_VARIANTS) + ("O0",):
         if name.lower() == known.lower():
             return f". Variant names are case-sensitive, like initialize's opt_level: use {known!r}"

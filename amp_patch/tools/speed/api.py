@@ -4,6 +4,7 @@ import statistics
 
 import torch
 
+from ...config.opt_levels import check_opt_level
 from ...errors import ConfigError, UsageError
 from ...session import state as _state
 from .. import machine
@@ -23,6 +24,7 @@ def speed_report(job, *, opt_level="O1", half_dtype=torch.bfloat16, steps=20, de
     ``torch.set_num_threads`` for the run (restored after; None keeps torch's): the step time and the findings
     depend on it, and the report's machine line names it."""
     if opt_level not in OPT_LEVELS:
+        check_opt_level(opt_level)  # a near miss ("01", "o1") gets its hint
         raise ConfigError(f"opt_level={opt_level!r}; allowed: {', '.join(OPT_LEVELS)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < MIN_STEPS:
         raise ConfigError(f"steps={steps!r}; pass an integer >= {MIN_STEPS} (warm-up, probe, plain and timed "

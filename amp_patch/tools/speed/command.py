@@ -3,7 +3,7 @@ import argparse
 import sys
 
 from ...errors import AmpPatchError
-from ..cli import add_half_dtype, add_verbose, echo_half_dtype, error, job_raised, run_threads
+from ..cli import add_half_dtype, add_verbose, echo_half_dtype, error, job_raised, opt_level_type, run_threads
 
 #: the job run when --job is not given: the experiment's built-in MLP
 DEFAULT_JOB = "amp_patch.tools.experiment.models:mlp"
@@ -27,7 +27,7 @@ def add_parser(subparsers):
     parser.add_argument("--job", metavar="MODULE:FUNCTION", default=DEFAULT_JOB,
                         help="the training job: module:function (from the current directory first) or "
                              f"path/to/file.py:function (default {DEFAULT_JOB}, the experiment's built-in MLP)")
-    parser.add_argument("--opt-level", choices=["O0", "O1", "O2", "O3"], default="O1",
+    parser.add_argument("--opt-level", type=opt_level_type(("O0", "O1", "O2", "O3")), default="O1",
                         help="the opt level the steps run under (default O1)")
     add_half_dtype(parser, "bfloat16", "as the experiment; see README, 'Half dtype'")
     parser.add_argument("--steps", type=int, default=20,

@@ -60,11 +60,12 @@ class CausalLM(nn.Module):
         return self.lm(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
 
-def gpt2(hot=False, layers=2):
-    """A 2-layer GPT-2 (eager attention), its batches (ids, padding mask, labels) and its next-token loss."""
+def gpt2(hot=False, layers=2, embd=EMBD):
+    """A 2-layer GPT-2 (eager attention), its batches (ids, padding mask, labels) and its next-token loss.
+    ``embd``: its width (``n_embd``; 36 makes every projection's size a non-multiple of 8)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ * 2, n_embd=EMBD, n_layer=layers, n_head=HEADS,
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ * 2, n_embd=embd, n_layer=layers, n_head=HEADS,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
     model = CausalLM(GPT2LMHeadModel(config))
     if hot:
@@ -192,3 +193,12 @@ def gpt2_small_lr_job():
 
 def masked_job():
     return _job(masked, "masked", False)
+
+
+def gpt2_odd_model():
+    return gpt2(embd=36)[0]
+
+
+def gpt2_odd_job():
+    """GPT-2 with n_embd=36: its projections (Conv1D: addmm inside transformers) have sizes 36, 108, 144."""
+    return dict(_job(gpt2, "gpt2_odd", False), model_fn=gpt2_odd_model)

@@ -63,6 +63,17 @@ def job_raised(command, exc, args):
     return error(command, job_error(args.job, "running it", exc), args)
 
 
+def opt_level_hint(value):
+    """The core's hint for a near-miss opt level (``" The first character is the digit zero; ..."``), or ""."""
+    from ..config.opt_levels import check_opt_level
+    from ..errors import ConfigError
+    try:
+        check_opt_level(value)
+    except ConfigError as exc:
+        return "." + str(exc).split(".", 1)[1] if "." in str(exc) else ""
+    return ""
+
+
 def opt_level_type(allowed):
     """An argparse ``type`` for ``--opt-level``: one of ``allowed``; a near miss (``01``, ``o1``, `` O1``) gets the
     core's hint (the digit zero, case, whitespace)."""

@@ -4,7 +4,7 @@ that computed the same thing are said to be identical (a real GPT-2 from a trans
 import pathlib
 import shutil
 
-import _tool_models as zoo
+import _tool_models  # noqa: F401 - the job module the experiment loads by name
 
 from amp_patch.tools.experiment import run_experiment
 from amp_patch.tools.experiment.report import markdown, summarize

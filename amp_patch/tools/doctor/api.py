@@ -8,9 +8,9 @@ import time
 import torch
 
 from ...config.dtypes import parse_half_dtype
-from ...config.opt_levels import check_opt_level
 from ...errors import ConfigError, UsageError
 from ...session import state as _state
+from ..cli import opt_level_hint
 from ..experiment.models import as_job, load_job
 from .fix import Fix, base_for_file, op_list_spec, search, yaml_text
 from .locate import replay
@@ -96,8 +96,8 @@ def _check_args(opt_level, half_dtype, steps, op_lists):
     if _state.current() is not None or _state.active_engine() is not None:
         raise UsageError("amp_patch.doctor() trains the job in its own sessions; call amp_patch.deinitialize() "
                          "(or close the autocast() region) first")
-    if opt_level != "O1" and not (isinstance(opt_level, str) and opt_level in ("O0", "O2", "O3")):
-        check_opt_level(opt_level)  # a near miss ("01", "o1") gets its hint
+    if opt_level != "O1" and opt_level_hint(opt_level):  # a near miss: "01", "o1"
+        raise ConfigError(f"opt_level={opt_level!r}; allowed: 'O1'{opt_level_hint(opt_level)}")
     if opt_level != "O1":
         raise ConfigError(
             f"opt_level={opt_level!r}; allowed: 'O1'. The doctor proposes op-list changes, and op lists act only "

@@ -147,12 +147,12 @@ def _notes(report):
     return (f"{_step_times_note(report)}; a ratio is the variant's step time over fp32's (or "
             "native's): below 1.00x is faster. It is taken round by round, and *n.s.* marks one whose min-max "
             f"includes 1.00x or that has fewer than {MIN_ROUNDS} rounds (not significant). Rows after fp32 go "
-            f"fastest first by median step time, in the verdict's order. Peak memory: {'; '.join(kinds) or 'n/a'} (+ its growth "
-            "during the run). State MiB: weights + grads + optimizer state (masters kept beside the weights "
-            "included), from the tensors' storages, each counted once. Weights a step left unchanged: of the weights "
-            "with a nonzero gradient, the share one more step after the last round left bitwise as they were (lost "
-            "updates: half weights under O3 drop updates below their resolution). Casts/iter: aten._to_copy calls in one "
-            "forward+backward+step.")
+            f"fastest first by median step time, in the verdict's order. Peak memory: {'; '.join(kinds) or 'n/a'} "
+            "(+ its growth during the run). State MiB: weights + grads + optimizer state (masters kept beside the "
+            "weights included), from the tensors' storages, each counted once. Weights a step left unchanged: of "
+            "the weights with a nonzero gradient, the share one more step after the last round left bitwise as they "
+            "were (lost updates: half weights under O3 drop updates below their resolution). Casts/iter: "
+            "aten._to_copy calls in one forward+backward+step.")
 
 
 def _step_times_note(report):

@@ -72,7 +72,8 @@ def identical(a, b):
     """Whether two variants computed the same thing: the same losses bitwise at every step and the same casts
     per iteration (all of them, and of weights); their step times can then differ by the machine's noise only."""
     keys = ("casts_per_iteration", "weight_casts_per_iteration")
-    return (bool(a.get("losses")) and a.get("losses") == b.get("losses") and a.get("loss_scales") == b.get("loss_scales")
+    return (bool(a.get("losses")) and a.get("losses") == b.get("losses")
+            and a.get("loss_scales") == b.get("loss_scales")
             and all(a.get(k) is not None and a.get(k) == b.get(k) for k in keys))
 
 

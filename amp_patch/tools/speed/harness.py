@@ -15,13 +15,18 @@ import time
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 import amp_patch
 
 from ..experiment.models import call_job
 from ..experiment.runner import _batches
+from .findings import THRESHOLDS, suggested_workers
+from .measure import loader_gain, matmul_gain, padding_gain
 from .probes import CastTimer, HostReads, ModuleTimer
 from .shapes import misaligned
+
+_MEASURED = 6  # the most layers, and matmuls, whose padding is timed (the slowest first)
 
 PHASES = ("data", "forward", "backward", "optimizer")
 WARMUP_STEPS, PROBE_STEPS = 2, 4  # probe steps: host reads and casts, then module times, in turn
@@ -44,6 +49,13 @@ class Measurements:
     cast_s: list = dataclasses.field(default_factory=list)  # per probe step: seconds in dtype casts
     module_s: dict = dataclasses.field(default_factory=dict)  # module name -> [forward seconds per probe step]
     matmul_s: dict = dataclasses.field(default_factory=dict)  # (file:line, k, n) -> seconds over the probe steps
+    matmul_calls: dict = dataclasses.field(default_factory=dict)  # the same keys -> calls over the probe steps
+    matmul_shapes: dict = dataclasses.field(default_factory=dict)  # the same keys -> (a shape, b shape, dtype)
+    module_calls: dict = dataclasses.field(default_factory=dict)  # module name -> forward calls, module probes
+    module_inputs: dict = dataclasses.field(default_factory=dict)  # module name -> (input shape, dtype)
+    module_probe_steps: int = 0
+    padding: dict = dataclasses.field(default_factory=dict)  # layer name or matmul key -> measure.Gain (or None)
+    loader_gain: object = None  # measure.Gain of the job's loader against one with workers (None: not measured)
     probe_steps: int = 0
     model: object = None  # the job's model as the steps ran it (after initialize), for its shapes
     optimizer: object = None
@@ -57,8 +69,9 @@ class Measurements:
         return statistics.median(self.phase_ms[phase])
 
     def phase_share(self, phase):
-        """The phase's median over the timed steps' median (medians: a step the machine preempted counts once)."""
-        total = statistics.median(self.timed_ms)
+        """The phase's median over the sum of the phases' medians (medians: a step the machine preempted counts
+        once; over their sum, so that the shares add up to 100%)."""
+        total = sum(self.phase_ms_median(p) for p in PHASES)
         return self.phase_ms_median(phase) / total if total else 0.0
 
     @staticmethod
@@ -106,6 +119,7 @@ class Harness:
             self._build()
             for kind in schedule(self.config.steps):
                 getattr(self, f"_{kind}")()
+            self._measure_fixes()
         finally:
             amp_patch.deinitialize()
         return self.m
@@ -173,7 +187,8 @@ class Harness:
         start = time.perf_counter()
         batch = self._batch()
         reads = HostReads(self.config.device)
-        casts = CastTimer(list(self.model.parameters()), cuda=self.cuda)
+        names = {id(mod): name for name, mod in self.model.named_modules()}
+        casts = CastTimer(list(self.model.parameters()), cuda=self.cuda, modules=names)
         with reads:
             with casts:
                 loss = self._forward(batch)
@@ -187,8 +202,28 @@ class Harness:
         with ModuleTimer(self.modules, cuda=self.cuda) as timer:
             self._whole_step()
         self.m.probe_ms.append((time.perf_counter() - start) * 1e3)
+        self.m.module_probe_steps += 1
         for name, seconds in timer.seconds.items():
             self.m.module_s.setdefault(name, []).append(seconds)
+            self.m.module_calls[name] = self.m.module_calls.get(name, 0) + timer.calls[name]
+        for name, seen in timer.inputs.items():
+            self.m.module_inputs.setdefault(name, seen)
+
+    def _measure_fixes(self):
+        """Time the fixes the findings may print (session still active: the layers run as in training)."""
+        m = self.m
+        layers = sorted((name for name, mod in self.modules.items() if misaligned(mod) and name in m.module_inputs),
+                        key=lambda name: -min(m.module_s.get(name, [0.0])))[:_MEASURED]
+        for name in layers:
+            shape, dtype = m.module_inputs[name]
+            m.padding[name] = padding_gain(self.modules[name], shape, dtype, self.device, self.cuda)
+        for key in sorted(m.matmul_shapes, key=lambda key: -m.matmul_s.get(key, 0.0))[:_MEASURED]:
+            a_shape, b_shape, dtype = m.matmul_shapes[key]
+            m.padding[key] = matmul_gain(a_shape, b_shape, dtype, self.device, self.cuda)
+        loader = m.loader
+        if isinstance(loader, DataLoader) and not loader.num_workers and \
+                m.phase_share("data") >= THRESHOLDS["data_loading"]:
+            m.loader_gain = loader_gain(loader, suggested_workers())
 
     def _add(self, reads, casts):
         m = self.m
@@ -203,6 +238,8 @@ class Harness:
         m.cast_s.append(casts.seconds)
         for key, seconds in casts.matmuls.items():
             m.matmul_s[key] = m.matmul_s.get(key, 0.0) + seconds
+            m.matmul_calls[key] = m.matmul_calls.get(key, 0) + casts.matmul_calls[key]
+        m.matmul_shapes.update({k: v for k, v in casts.matmul_shapes.items() if k not in m.matmul_shapes})
 
 
 def _initialize(model, optimizer, opt_level, half_dtype):

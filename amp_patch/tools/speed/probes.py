@@ -35,11 +35,14 @@ _TORCH_DIR = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "")
 _AMP_PATCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "")
 _SPEED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")  # the harness: the step's own frames
 _NOT_USER = (_AMP_PATCH_DIR, os.path.join(os.path.abspath(sysconfig.get_paths()["stdlib"]), ""))
+_LIBRARIES = tuple({os.path.join(os.path.abspath(sysconfig.get_paths()[k]), "") for k in ("purelib", "platlib")})
 
 
-def user_site(frame, through_amp_patch=False):
+def user_site(frame, through_amp_patch=False, libraries=False):
     """``file:line`` of the first caller outside torch (and, ``through_amp_patch``, outside amp_patch's casting
-    wrappers, but never past the speed harness) when it is the user's code (not amp_patch, not the stdlib)."""
+    wrappers, but never past the speed harness) when it is the user's code (not amp_patch, not the stdlib); with
+    ``libraries``, a caller in site-packages is returned as its absolute ``path:line`` (the caller names the
+    module instead)."""
     skip = (_TORCH_DIR, _AMP_PATCH_DIR) if through_amp_patch else (_TORCH_DIR,)
     while frame is not None and frame.f_code.co_filename.startswith(skip) \
             and not frame.f_code.co_filename.startswith(_SPEED_DIR):
@@ -49,6 +52,8 @@ def user_site(frame, through_amp_patch=False):
     path = frame.f_code.co_filename
     if path.startswith("<") or os.path.abspath(path).startswith(_NOT_USER):
         return None
+    if libraries and os.path.abspath(path).startswith(_LIBRARIES):
+        return f"{os.path.abspath(path)}:{frame.f_lineno}"
     cwd = os.path.join(os.getcwd(), "")
     shown = os.path.relpath(path) if os.path.abspath(path).startswith(cwd) else path
     return f"{shown}:{frame.f_lineno}"
@@ -112,11 +117,40 @@ class CastTimer(CastCounter):
     ``matmuls`` maps ``(file:line, k, n)`` to seconds (``mm``/``bmm``/``addmm``/``baddbmm``: ``k`` the
     contracted size, ``n`` the output's last; the backward's, called by autograd, have no user line)."""
 
-    def __init__(self, params=(), cuda=False):
+    def __init__(self, params=(), cuda=False, modules=None):
         super().__init__(params)
         self.seconds = 0.0
         self.matmuls = {}
+        self.matmul_calls = {}  # the same keys -> calls
+        self.matmul_shapes = {}  # the same keys -> (a's shape, b's shape, dtype)
         self._cuda = cuda
+        self._names = modules or {}  # id(module) -> its name in the model
+        self._stack = []
+        self._hooks = []
+
+    def __enter__(self):
+        from torch.nn.modules import module as nn_module
+        self._hooks = [nn_module.register_module_forward_pre_hook(self._enter_module),
+                       nn_module.register_module_forward_hook(self._leave_module)]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
+
+    def _enter_module(self, module, args):
+        self._stack.append(self._names.get(id(module)))
+
+    def _leave_module(self, module, args, output):
+        if self._stack:
+            self._stack.pop()
+
+    def _running_module(self):
+        return next((name for name in reversed(self._stack) if name is not None), None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -142,11 +176,16 @@ class CastTimer(CastCounter):
         k, n = a.shape[-1], b.shape[-1]
         if a.dtype not in (torch.float16, torch.bfloat16) or not (k % 8 or n % 8):
             return func(*args, **kwargs)
-        site = user_site(sys._getframe(2), through_amp_patch=True)  # (1 is __torch_dispatch__)
+        site = user_site(sys._getframe(2), through_amp_patch=True, libraries=True)  # (1 is __torch_dispatch__)
+        if site is not None and site.startswith(_LIBRARIES):  # inside a library (transformers): the user's module
+            site = f"module {self._running_module() or 'model'}"
         if site is None:
             return func(*args, **kwargs)
         out, seconds = self._timed(lambda: func(*args, **kwargs))
-        self.matmuls[(site, k, n)] = self.matmuls.get((site, k, n), 0.0) + seconds
+        key = (site, k, n)
+        self.matmuls[key] = self.matmuls.get(key, 0.0) + seconds
+        self.matmul_calls[key] = self.matmul_calls.get(key, 0) + 1
+        self.matmul_shapes.setdefault(key, (tuple(a.shape), tuple(b.shape), a.dtype))
         return out
 
 
@@ -156,6 +195,8 @@ class ModuleTimer:
     def __init__(self, modules, cuda=False):
         self.modules = modules
         self.seconds = dict.fromkeys(modules, 0.0)
+        self.calls = dict.fromkeys(modules, 0)
+        self.inputs = {}  # name -> (shape, dtype) of its first input
         self._cuda = cuda
         self._handles = []
         self._started = {}
@@ -182,6 +223,9 @@ class ModuleTimer:
 
     def _pre(self, name):
         def pre(module, args):
+            self.calls[name] += 1
+            if args and torch.is_tensor(args[0]):
+                self.inputs.setdefault(name, (tuple(args[0].shape), args[0].dtype))
             self._sync()
             self._started.setdefault(name, []).append(time.perf_counter())
         return pre

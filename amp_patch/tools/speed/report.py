@@ -11,7 +11,7 @@ class SpeedReport:
     the untimed-phase steps), ``machine``, ``phases`` (each phase's share of the step), ``overhead`` (the phase
     timers' measured cost: timed over plain steps, minus 1, the median over the schedule's units), its
     ``overhead_range`` over the units (the machine's noise) and ``probe_overhead`` (how much slower the probe steps
-    ran; their times are not used)."""
+    ran; their times are not used) and ``half_hardware`` (whether the half dtype runs on hardware here)."""
 
     job: str
     opt_level: str
@@ -25,6 +25,7 @@ class SpeedReport:
     overhead: float
     overhead_range: list
     probe_overhead: float
+    half_hardware: str = None  # whether the half dtype runs on hardware here (None at O0)
 
     def kinds(self):
         return [f.kind for f in self.findings]
@@ -54,7 +55,8 @@ def _share(share):
 def text(report):
     dtype = "" if report.opt_level == "O0" else f" {report.half_dtype}"
     lines = [f"amp-patch speed: {report.job}, {report.opt_level}{dtype} on {report.device}, {report.steps} steps: "
-             f"median step {report.step_ms:.2f} ms", f"machine: {report.machine}",
+             f"median step {report.step_ms:.2f} ms",
+             f"machine: {report.machine}" + (f"; {report.half_hardware}" if report.half_hardware else ""),
              "step: " + ", ".join(f"{phase} {share:.0%}" for phase, share in report.phases.items())]
     if not report.findings:
         lines.append(f"\n{HEALTHY}: no data wait, host read, misaligned layer, DataParallel, cast, optimizer or "

@@ -35,3 +35,23 @@ def test_the_starting_line_counts_one_variant_per_op_list(capsys, tmp_path):
 def test_an_opt_level_written_with_a_digit_zero_gets_the_hint(capsys):
     assert cli.main(["speed", "--job", "_tool_models:gpt2_job", "--opt-level", "01"]) == 2
     assert "digit zero" in capsys.readouterr().err
+
+
+def test_after_ctrl_c_each_final_loss_says_after_how_many_steps():
+    from test_experiment_pairwise_claims import _result, _summary
+
+    from amp_patch.tools.experiment.report import markdown
+
+    results = {"fp32": _result("fp32", [10, 10, 10], casts=0), "O1": _result("O1", [5, 5], losses=(2.0, 1.9))}
+    for r in results.values():
+        r["steps_run"] = len(r["losses"])
+    text = markdown(_summary(results))
+    assert "1.8000 (after 3 steps)" in text and "1.9000 (after 2 steps)" in text
+
+
+def test_a_reference_whose_own_loss_rises_is_remarked():
+    from test_experiment_pairwise_claims import _result, _summary
+
+    results = {"fp32": _result("fp32", [10, 10, 10], losses=(2.0, 3.0, 9.0), casts=0),
+               "O1": _result("O1", [5, 5, 5], losses=(2.0, 3.0, 9.0))}
+    assert "the reference diverges: fp32's own loss rose from 2 to 9" in _summary(results)["verdict"]["text"]

@@ -116,7 +116,7 @@ def markdown(report):
         cells = [label(name), v["status"], _spread(v["median_step_ms"], v["step_ms_min"], v["step_ms_max"]),
                  _times(v, "fp32"), _times(v, "native"), _memory(v), _num(v.get("state_mib"), 2),
                  _share(v.get("unchanged_by_update")),
-                 _num(v["final_loss"], 4),
+                 _final_loss(v, report["variants"]),
                  _num(v["max_loss_deviation_from_fp32"], 4), str(v["skipped_steps"]),
                  _num(v["final_loss_scale"], 0), _num(v["casts_per_iteration"], 0), _num(v["syncs_per_step"], 0)]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
@@ -188,6 +188,14 @@ def _num(value, digits):
     if math.isinf(value) or math.isnan(value):
         return str(value)
     return f"{value:.{digits}f}" if digits or abs(value) < 1e7 else f"{value:.3g}"
+
+
+def _final_loss(v, variants):
+    """The final loss, with its step count when the variants stopped after different numbers of steps (Ctrl-C, a
+    divergence): the losses of different steps are not comparable."""
+    runs = {x.get("steps_run") for x in variants.values() if x.get("losses")}
+    text = _num(v["final_loss"], 4)
+    return text if len(runs) <= 1 or not v.get("losses") else f"{text} (after {v['steps_run']} steps)"
 
 
 def _share(value):

@@ -152,9 +152,19 @@ def _text(v, variants):
     flags += [f"{_label(n)} {status}" for n, status in v["not_ok"].items()]
     flags += [f"{_label(n)} lost updates: {_lost_text(variants[n])}" for n in variants if n not in v["not_ok"]
               and (variants[n].get("unchanged_by_update") or 0.0) >= LOST_UPDATES]
-    same = [_same_text(group, variants) for group in v["identical"]]
+    same = [_same_text(group, variants) for group in v["identical"]] + _rising_reference(variants)
     return ("Verdict: " + _head(v, variants) + "".join(f"; {text}" for text in same)
             + ("; flagged: " + "; ".join(flags) if flags else "") + ".")
+
+
+def _rising_reference(variants):
+    """A note when fp32's own loss ends above where it started: the reference diverges, gaps to it say little."""
+    fp32 = variants.get("fp32") or {}
+    losses = [x for x in fp32.get("losses") or () if isinstance(x, float)]
+    if fp32.get("status") not in _USABLE or len(losses) < 2 or not losses[-1] > losses[0] * 1.05:
+        return []
+    return [f"the reference diverges: fp32's own loss rose from {losses[0]:.4g} to {losses[-1]:.4g} over "
+            f"{len(losses)} steps (lower the learning rate), so the loss gaps to it say little"]
 
 
 def _same_text(group, variants):

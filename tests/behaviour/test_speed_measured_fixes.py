@@ -3,6 +3,7 @@ faster), with the time it saves; on a real model (transformers GPT-2 with n_embd
 modules and the config field, not a file inside site-packages. The load-dependent findings are tested with an
 injected slow phase (tests/behaviour/test_speed_report.py's ``slow_odd_sizes``)."""
 import sysconfig
+import time
 
 import pytest
 import torch
@@ -60,3 +61,35 @@ def test_the_phase_shares_add_up_to_the_whole_step():
     assert sum(report.phases.values()) == pytest.approx(1.0)
     # whether the half dtype runs on hardware here, as the experiment says
     assert "bfloat16 runs" in report.half_hardware and "bfloat16 runs" in report.to_text()
+
+
+def _slow_amp_patch_steps(monkeypatch, seconds):
+    from amp_patch.tools.speed import native
+
+    original = native.step
+
+    def slow(mode, *args):
+        if mode == "amp_patch":
+            time.sleep(seconds)
+        return original(mode, *args)
+    monkeypatch.setattr(native, "step", slow)
+
+
+def test_amp_patchs_own_casting_cost_against_native_autocast_is_a_finding_with_the_native_list(monkeypatch):
+    """An injected slow phase in amp_patch's steps (its casting, on a machine where it costs): measured against
+    native torch.autocast on the same GPT-2, round by round."""
+    _slow_amp_patch_steps(monkeypatch, 0.05)
+    report = amp_patch.speed_report("_tool_models:gpt2_job", steps=STEPS)
+    found = next(f for f in report.findings if f.kind == "op_list_overhead")
+    assert "native torch.autocast" in found.figure and "slower in every one of 5 interleaved rounds" in found.figure
+    assert "op_lists='torch_cpu'" in found.fix and "casts per step" in found.where
+
+
+def test_no_overhead_finding_when_amp_patch_is_not_measured_slower(monkeypatch):
+    _slow_amp_patch_steps(monkeypatch, 0.0)
+    from amp_patch.tools.speed import native
+
+    monkeypatch.setattr(native, "Overhead", type("NoisyOverhead", (native.Overhead,), {
+        "significant": property(lambda self: False)}))
+    report = amp_patch.speed_report("_tool_models:gpt2_job", steps=STEPS)
+    assert "op_list_overhead" not in report.kinds()

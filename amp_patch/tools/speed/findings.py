@@ -17,7 +17,7 @@ from .. import machine
 from .shapes import MULTIPLE, misaligned, padded
 
 #: the share of the step time from which a cause is reported
-THRESHOLDS = {"data_loading": 0.15, "casts": 0.10, "optimizer": 0.25, "alignment": 0.01}
+THRESHOLDS = {"data_loading": 0.15, "casts": 0.10, "optimizer": 0.25, "alignment": 0.01, "op_list_overhead": 0.05}
 _FIRST = ("hardware", "data_parallel", "host_sync")
 
 
@@ -54,8 +54,8 @@ class Context:
 
 def findings(m, ctx):
     """The ranked findings of measurements ``m``."""
-    found = [f for make in (hardware, data_parallel, data_loading, host_sync, alignment, casts, optimizer)
-             if (f := make(m, ctx)) is not None]
+    found = [f for make in (hardware, data_parallel, data_loading, host_sync, alignment, casts, op_list_overhead,
+                            optimizer) if (f := make(m, ctx)) is not None]
     return sorted(found, key=_rank)
 
 
@@ -254,6 +254,28 @@ def casts(m, ctx):
     return Finding("casts", share, f"{ctx.opt_level} casting ({m.casts / m.probe_steps:g} casts per step)",
                    f"{m.per_step_ms(m.cast_s):.2f} ms of each step in dtype casts ({_pct(share)}), "
                    f"{m.casts / m.probe_steps:g} casts per step, {weights:g} of them of weights", fix)
+
+
+def op_list_overhead(m, ctx):
+    """amp_patch's own casting against native autocast on the same job, when measured slower in every round."""
+    o = m.native
+    if o is None or not o.significant:
+        return None
+    share = o.extra_ms / m.step_ms()
+    if share < THRESHOLDS["op_list_overhead"]:
+        return None
+    native_list = "torch_cuda" if ctx.cuda else "torch_cpu"
+    return Finding("op_list_overhead", share,
+                   f"amp_patch's O1 casting ({o.amp_casts} casts per step; native torch.autocast: {o.native_casts})",
+                   f"O1 took {o.amp_ms:.2f} ms per step against native torch.autocast's {o.native_ms:.2f} ms on the "
+                   f"same model and batches: {o.extra_ms:.2f} ms ({_pct(share)} of the step) is the price of "
+                   f"amp_patch's op-list casting (measured: slower in every one of {o.rounds} interleaved rounds, "
+                   f"{o.low:.2f}-{o.high:.2f}x)",
+                   f"fewer casts: use the native list, initialize(..., op_lists='{native_list}') (native autocast's "
+                   "own choices; the apex alias and a list extending 'apex' cast more), and keep neighbouring ops in "
+                   f"one category where `amp-patch trace --job {ctx.job}` shows round trips; where no op list of your "
+                   "own is needed, train with torch.autocast itself (the experiment's `native` variant measures it "
+                   "against O1 on your job).")
 
 
 def optimizer(m, ctx):

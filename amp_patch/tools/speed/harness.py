@@ -21,6 +21,7 @@ import amp_patch
 
 from ..experiment.models import call_job
 from ..experiment.runner import _batches
+from . import native
 from .findings import THRESHOLDS, suggested_workers
 from .measure import loader_gain, matmul_gain, padding_gain
 from .probes import CastTimer, HostReads, ModuleTimer
@@ -56,6 +57,7 @@ class Measurements:
     module_probe_steps: int = 0
     padding: dict = dataclasses.field(default_factory=dict)  # layer name or matmul key -> measure.Gain (or None)
     loader_gain: object = None  # measure.Gain of the job's loader against one with workers (None: not measured)
+    native: object = None  # native.Overhead: the O1 step against native torch.autocast's (O1 only)
     probe_steps: int = 0
     model: object = None  # the job's model as the steps ran it (after initialize), for its shapes
     optimizer: object = None
@@ -122,6 +124,9 @@ class Harness:
             self._measure_fixes()
         finally:
             amp_patch.deinitialize()
+        if self.opt_level == "O1" and not isinstance(self.model, nn.DataParallel):
+            self.m.native = native.measure(self.model, self.optimizer, self.job, self._batch,
+                                           self.config.half_dtype, self.config.device)
         return self.m
 
     def _build(self):

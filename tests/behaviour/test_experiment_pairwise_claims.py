@@ -70,3 +70,12 @@ def test_two_copies_of_one_op_list_on_gpt2_are_said_to_compute_identically(tmp_p
     assert "O1 [torch_cpu] is " not in text and "O1 [copy.yaml] is " not in text
     assert "O1 [torch_cpu] over O1 [copy.yaml]" not in text and "O1 [copy.yaml] over O1 [torch_cpu]" not in text
 
+
+
+def test_two_identical_computations_measured_apart_make_every_lead_noise():
+    """Identical twins whose rounds differ one way every time: the machine's noise is larger than any lead."""
+    report = _summary({"fp32": _result("fp32", [10, 10, 10], casts=0),
+                       "O1 [a]": _result("O1 [a]", [2, 2, 2]), "O1 [b]": _result("O1 [b]", [9, 9.5, 9.9])})
+    text = report["verdict"]["text"]
+    assert report["verdict"]["fastest"] is None and "fastest" not in text.split(";")[0]
+    assert "the step times are the machine's noise here, O1 [a] and O1 [b] compute identically" in text

@@ -111,12 +111,16 @@ def verdict(variants, loss_tolerance=LOSS_TOLERANCE):
     as_fp32 = next((g for g in same if "fp32" in g), [])
     faster = [n for n in candidates if n != "fp32" and variants[n]["ratio_to_fp32"] < 1.0 and n not in as_fp32]
     fastest = next((n for n in faster if variants[n].get("ratio_to_fp32_significant")), None)
-    if fastest is None and candidates and "fp32" in candidates:
+    noisy = _noisy_twins(variants, same)
+    if noisy:  # two identical computations measured apart: the step times are noise, no lead is real
+        fastest = None
+    if fastest is None and candidates and "fp32" in candidates and not noisy:
         fastest = "fp32"
     out = {"loss_tolerance": loss_tolerance, "fastest": fastest, "ratio": None, "significant": None,
            "leader": leader, "beyond_tolerance": beyond, "not_ok": not_ok, "loss_gaps": gaps,
            "rounds": timed_rounds(variants[leader] if leader else fp32 or {}),
-           "compared": [n for n in candidates if n != "fp32"], "identical": same, "ties": [], "beaten": []}
+           "compared": [n for n in candidates if n != "fp32"], "identical": same, "ties": [], "beaten": [],
+           "noisy": noisy}
     if fastest not in (None, "fp32"):
         out["ties"], out["beaten"] = _against_others(fastest, candidates, variants, same)
     if fastest is not None:
@@ -124,6 +128,19 @@ def verdict(variants, loss_tolerance=LOSS_TOLERANCE):
         out["significant"] = bool(variants[fastest]["ratio_to_fp32_significant"])
     out["text"] = _text(out, variants)
     return out
+
+
+def _noisy_twins(variants, same):
+    """``[(a, b, pair)]``: identical computations whose step times differ significantly (every round one way): the
+    machine's noise, which then outweighs any lead the rounds show."""
+    found = []
+    for group in same:
+        for i, a in enumerate(group):
+            for b in group[i + 1:]:
+                pair = pair_ratio(variants[a], variants[b])
+                if pair is not None and pair["significant"]:
+                    found.append((a, b, pair))
+    return found
 
 
 def _against_others(fastest, candidates, variants, same):
@@ -179,6 +196,12 @@ def _head(v, variants):
     tolerance, rounds = f"{v['loss_tolerance']:.0%}", v["rounds"]
     if "fp32" not in variants:
         return "none without fp32 (O0), the reference for step time and loss: add it to --variants"
+    if v["noisy"]:
+        a, b, pair = v["noisy"][0]
+        return (f"no variant to recommend: the step times are the machine's noise here, {_label(a)} and {_label(b)} "
+                f"compute identically yet measured {pair['ratio']:.2f}x apart (per round {pair['low']:.2f}-"
+                f"{pair['high']:.2f}x); rerun in separate processes (no --no-isolate), with more --rounds and "
+                "--threads 1, on a quieter machine")
     if v["fastest"] is None:
         fp32 = variants["fp32"]
         if fp32["status"] not in _USABLE or fp32.get("ratio_to_fp32") is None:

@@ -169,7 +169,9 @@ def _text(v, variants):
     flags += [f"{_label(n)} {status}" for n, status in v["not_ok"].items()]
     flags += [f"{_label(n)} lost updates: {_lost_text(variants[n])}" for n in variants if n not in v["not_ok"]
               and (variants[n].get("unchanged_by_update") or 0.0) >= LOST_UPDATES]
-    same = [_same_text(group, variants) for group in v["identical"]] + _rising_reference(variants)
+    said = {a for a, _, _ in v["noisy"]}  # the head already says these compute identically
+    same = [_same_text(group, variants) for group in v["identical"] if not said & set(group)]
+    same += _rising_reference(variants)
     return ("Verdict: " + _head(v, variants) + "".join(f"; {text}" for text in same)
             + ("; flagged: " + "; ".join(flags) if flags else "") + ".")
 
@@ -200,8 +202,9 @@ def _head(v, variants):
         a, b, pair = v["noisy"][0]
         return (f"no variant to recommend: the step times are the machine's noise here, {_label(a)} and {_label(b)} "
                 f"compute identically yet measured {pair['ratio']:.2f}x apart (per round {pair['low']:.2f}-"
-                f"{pair['high']:.2f}x); rerun in separate processes (no --no-isolate), with more --rounds and "
-                "--threads 1, on a quieter machine")
+                f"{pair['high']:.2f}x): rerun " + ("" if variants[a].get("isolated") else
+                                                  "in separate processes (without --no-isolate), ")
+                + "with more --rounds and --threads 1, on a quieter machine")
     if v["fastest"] is None:
         fp32 = variants["fp32"]
         if fp32["status"] not in _USABLE or fp32.get("ratio_to_fp32") is None:

@@ -11,8 +11,8 @@ after an overflow in any of them is skipped. ``handle.scale_loss(loss, optimizer
 import contextlib
 import logging
 
+from .._torch import dist as distributed
 from ..errors import UsageError
-from ..parallel import ddp as distributed
 from ..scaling.optimizer_state import OptimizerState
 from ..scaling.scaler import LossScaler
 from ..session import state as _state

@@ -41,8 +41,8 @@ import threading
 
 import torch
 
+from .._torch import dist as distributed
 from ..errors import UsageError
-from ..parallel import ddp as distributed
 from . import unscaled
 from .closure_steps import StepSnapshot
 from .foreign_grads import ForeignGrads

@@ -19,7 +19,6 @@ from ..parallel import ddp as distributed
 from ..patching import early_bound
 from ..patching.patcher import Patcher
 from ..scaling.optimizer_state import OptimizerState
-from ..scaling.protocol import check_idle_elsewhere
 from ..scaling.remainder import make_storage
 from ..scaling.scaler import load_state_dict_into, state_dict_for
 from . import clip_check, data_loading
@@ -38,6 +37,7 @@ from .checks import (  # noqa: F401
     check_no_shared_params,
     check_step_hooks,
 )
+from .scale_loss import check_idle_elsewhere
 from .session import Session
 from .user_functions import REGISTRY
 

@@ -11,12 +11,12 @@ backward left scaled.
 """
 import torch
 
+from .._torch import dist as distributed
 from ..errors import UsageError
-from ..parallel import ddp as distributed
-from ..scaling.protocol import _finish_step, _quiet
 from ..scaling.stages import DOOMED
 from .api import _as_list, _attach_optimizers, _link_masters
 from .checks import _held, check_no_shared_params, check_step_hooks
+from .scale_loss import finish_step, quiet
 from .state import current_session
 
 
@@ -65,12 +65,12 @@ def _follow_devices(fp32_data, optimizers):
 
 def _unscale_now(session, states, loss_id):
     scaler = session.scaling.scaler(loss_id)
-    with _quiet(session):
+    with quiet(session):
         found_inf = False
         for state in states:
             state.adopt_scaled(scaler)
             found_inf |= state.after_backward(scaler, False)
-        _finish_step(session, scaler, loss_id, states, distributed.agree_overflow(found_inf))
+        finish_step(session, scaler, loss_id, states, distributed.agree_overflow(found_inf))
 
 
 def next_step_skipped(optimizer):

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ...scaling import scale_loss
+from ... import scale_loss
 from ...session import api as frontend
 from ..experiment.models import as_job
 from ..experiment.runner import Config, _batches

@@ -194,7 +194,7 @@ def consistency(rank, world, levels=("O1", "O2"), control_levels=("O1", "O2")):
     try:
         results["control"] = {level: _consistency_run(rank, level) for level in control_levels}
     finally:
-        amp_dist.agree_overflow = agree
+        torch_dist.agree_overflow = agree
     return results
 
 

@@ -10,7 +10,7 @@ import torch
 
 from ..config.dtypes import HALF_DTYPES, parse_half_dtype
 from ..errors import ConfigError
-from ..scaling.scaler import parse_loss_scale as _parse_static_or_dynamic
+from .loss_scale import parse_loss_scale as _parse_static_or_dynamic
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ input/output casts keep following its own weights (see :class:`CastInputs`).
 import torch
 from torch.nn.modules import module as _module_mod
 
-from ..casting.interop.modules import forward_hook, forward_pre_hook
+from .._torch.hooks import ForwardHook, InertHook, SessionHook, forward_hook, forward_pre_hook  # noqa: F401 (InertHook: pickles name it here)
 from ..casting.wrappers import cast_tree
 from ..config.dtypes import FLOAT_DTYPES, HALF_DTYPES
 from ..errors import UsageError
@@ -62,53 +62,6 @@ def _cast_once(args, kwargs, dtype, fp64=False):
         return found[1]
 
     return cast_tree(args, cast_one), cast_tree(kwargs, cast_one)
-
-
-class _NotScriptable(UsageError, AttributeError):
-    """torch.jit.script asked an amp_patch hook for its ``__name__`` (also an AttributeError: hasattr says no)."""
-
-
-_SCRIPT_HELP = ("torch.jit.script cannot compile amp_patch's forward hooks on this model, and TorchScript would not "
-                "run amp_patch's casts anyway (it compiles torch calls to aten ops, past the O1 wrappers). Use "
-                "torch.jit.trace(model, example_inputs) during the session: it records the casts; or script the "
-                "model before amp_patch.initialize() or after amp_patch.deinitialize()")
-
-
-class ForwardHook:
-    """Base of amp_patch's forward hooks: plain objects (picklable), refused by torch.jit.script with the fix."""
-
-    @property
-    def __name__(self):
-        raise _NotScriptable(_SCRIPT_HELP)
-
-
-class SessionHook(ForwardHook):
-    """A hook that belongs to the session: copies and pickles of the model get an inert hook instead."""
-
-    def __deepcopy__(self, memo):
-        return InertHook()
-
-    def __reduce__(self):
-        return InertHook, ()
-
-
-class CallOnForward(SessionHook):
-    """A forward pre-hook or forward hook calling ``fn()`` (e.g. the O1 engine's resume after a failed step)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, module, *args_and_output):
-        self.fn()
-
-
-class InertHook(ForwardHook):
-    """What a session hook becomes in a copied or unpickled model: does nothing."""
-
-    _from_public_api = True  # (torch marks state_dict post-hooks registered through its public API)
-
-    def __call__(self, *args, **kwargs):
-        return None
 
 
 class RegistrationWatch:

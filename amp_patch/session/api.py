@@ -5,6 +5,7 @@ import logging
 
 import torch
 
+from .._torch import hooks
 from ..casting.engine import CastingEngine
 from ..casting.interop import modules as module_compat
 from ..config.dtypes import HALF_DTYPES
@@ -12,7 +13,7 @@ from ..config.opt_levels import resolve
 from ..errors import ConfigError
 from ..model.compile_guards import HookGuards
 from ..model.compute_copies import ComputeCopies
-from ..model.transform import CallOnForward, ModelPatch, SparseEmbedding
+from ..model.transform import ModelPatch, SparseEmbedding
 from ..observe.overflow import OverflowDiagnoser, StepHistory
 from ..observe.trace import Tracer
 from ..parallel import ddp as distributed
@@ -307,8 +308,8 @@ def _guard_step_pause(session, models):
         return
     resume, begin_forward, end_forward = engine.resume_after_step, engine.begin_forward, engine.end_forward
     for model in models:  # (begin_forward also drops the cast cache: see casting.wrappers.CastCache)
-        session.undo.append(module_compat.forward_pre_hook(model, CallOnForward(begin_forward)).remove)
-        session.undo.append(module_compat.forward_hook(model, CallOnForward(end_forward)).remove)
+        session.undo.append(hooks.forward_pre_hook(model, hooks.CallOnForward(begin_forward)).remove)
+        session.undo.append(hooks.forward_hook(model, hooks.CallOnForward(end_forward)).remove)
     patcher = Patcher()
     session.undo.append(patcher.restore_all)
 

@@ -300,12 +300,11 @@ def master_warning(rank, world):
     no second copy to go stale.)"""
     import warnings
 
-    from amp_patch.session.state import in_two_copy_layout
+    from amp_patch.legacy.stacking import open_apex_session
 
     model = make_model(seed=rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with in_two_copy_layout():
-        model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=HALF, verbosity=0)
+    model, opt = open_apex_session(model, opt, dict(opt_level="O2", half_dtype=HALF, verbosity=0))
     try:
         ddp = DDP(model)
         with torch.no_grad():

@@ -155,15 +155,18 @@ def _is_sharded(model):
 
 
 def check_fsdp_at_initialize(models, props, master_weights=None):
-    """``(props, FSDP2 param groups, models to watch for a later shard)``
-    (see :func:`amp_patch.parallel.fsdp2.adapt_props`).
+    """``(FSDP2 param groups, models to watch for a later shard)`` (see :func:`amp_patch.parallel.fsdp2.check_sharded`).
 
     O2/O3 on a model sharded with a compatible MixedPrecisionPolicy (``amp_patch.fully_shard``): no cast and no
     master copy; other sharded models are refused at O2/O3 with the policy to use.
     """
-    from .fsdp2 import adapt_props
-    props, groups = adapt_props(models, props, master_weights)
-    return props, groups, [m for m in models if not _is_sharded(m)]
+    from .fsdp2 import check_sharded
+    return check_sharded(models, props, master_weights), [m for m in models if not _is_sharded(m)]
+
+
+def any_sharded(models):
+    """Whether FSDP2 shards any of ``models`` (a fact the policy is resolved from)."""
+    return any(_is_sharded(m) for m in models)
 
 
 def fsdp_accumulating(session, scaler, loss_id):

@@ -35,7 +35,7 @@ def _check_enabled(enabled):
 
 def _check_optimizers_train_models(props, models, optimizers):
     """O2/O3 cast the models passed: an optimizer over none of their params would train other weights."""
-    if props.cast_model_type not in (torch.float16, torch.bfloat16):
+    if props.model_cast not in (torch.float16, torch.bfloat16):
         return
     model_params = {id(p) for m in models for p in m.parameters()}
     for opt in optimizers:
@@ -51,7 +51,7 @@ def _check_optimizers_train_models(props, models, optimizers):
 def check_no_nested_models(props, models):
     """O2/O3 give each model passed its own input and output casts: a model passed with one of its own
     submodules would hand the inner one's fp32 outputs to the outer one's half layers."""
-    if props.cast_model_type not in HALF_DTYPES:
+    if props.model_cast not in HALF_DTYPES:
         return
     for outer, model in enumerate(models):
         members = {id(m) for m in model.modules() if m is not model}
@@ -74,7 +74,7 @@ def check_no_shared_params(props, optimizers, models, attached=()):
     """Under master weights each optimizer keeps its own fp32 master of each param it holds: two optimizers over
     one param would train two masters, and each step() would copy its own into the param (wrong numbers).
     ``attached``: (optimizer, the params it holds: model params and their masters) of a running session."""
-    if not props.master_weights or props.master_storage == "model":  # (compute copies: the params are the masters)
+    if not props.two_copy:  # (one owner: the params are the masters)
         return
     names = {id(p): n for m in models for n, p in m.named_parameters()}
     owner = {}

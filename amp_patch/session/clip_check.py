@@ -21,7 +21,7 @@ _NAMES = ("clip_grad_norm_", "clip_grad_value_")
 def install(session, patcher):
     """Patch the clipping functions (only where the session keeps two copies); undone by ``patcher``."""
     props = session.props
-    if not props.master_weights or props.master_storage == "model":
+    if not props.two_copy:
         return
     warned = []
     masters = _MastersOf(session)

@@ -209,7 +209,7 @@ def _warn_if_masters_diverged(states):
 def apex_rules(session):
     """The session was opened through Apex's API (``apex.amp`` / ``amp_patch.legacy.amp``): Apex's scaler
     rules apply (docs/migration.md): every unscaling exit updates the loss's scaler."""
-    return "apex" in session.extensions
+    return session.props is not None and session.props.api == "apex"
 
 
 def _counts(session, scaler, states, found_inf):

@@ -11,7 +11,6 @@ from ..casting.interop import modules as module_compat
 from ..config.opt_levels import resolve
 from ..errors import ConfigError
 from ..model.compile_guards import HookGuards
-from ..model.compute_copies import ComputeCopies
 from ..model.transform import ModelPatch, SparseEmbedding
 from ..observe.overflow import OverflowDiagnoser, StepHistory
 from ..observe.trace import Tracer
@@ -19,9 +18,10 @@ from ..parallel import ddp as distributed
 from ..patching import early_bound
 from ..patching.patcher import Patcher
 from ..scaling.optimizer_state import OptimizerState
-from ..scaling.remainder import make_storage
 from ..scaling.scaler import load_state_dict_into, state_dict_for
-from . import clip_check, data_loading
+from ..weights import clip_check
+from ..weights.storage import make_storage
+from . import data_loading
 from . import state as _state
 from .checks import (  # noqa: F401
     _as_list,
@@ -174,10 +174,10 @@ def _guard_zero_grad(session):
 
 
 def _warn_clipping_model_params(session):
-    """Two-copy O2: ``clip_grad_norm_(model.parameters())`` clips nothing; warned once (session/clip_check.py)."""
+    """Two-copy O2: ``clip_grad_norm_(model.parameters())`` clips nothing; warned once (weights/clip_check.py)."""
     patcher = Patcher()
     session.undo.append(patcher.restore_all)  # first: an interrupt right after install leaves nothing behind
-    clip_check.install(session, patcher)
+    clip_check.install(session.props, session.scaling.opt_states, patcher)
 
 
 def _prepare_models(session, models):
@@ -203,7 +203,7 @@ def _prepare_models(session, models):
         session.undo.append(lambda patch=patch: patch.restore(_restore_values(session, patch)))
         fp32_data.update(patch.cast(props.model_cast, keep, params=not copies))
         patch.cast_io(props.model_cast, props.cast_model_outputs or torch.float32, keep,
-                      compute_copies=ComputeCopies if copies else None, fp64=fp64)
+                      compute_copies=copies, fp64=fp64)
     return fp32_data
 
 

@@ -81,7 +81,7 @@ def test_ctrl_c_right_after_the_masters_went_into_the_optimizer(monkeypatch, nam
 
 def test_ctrl_c_right_after_the_compute_copies_were_attached(monkeypatch):
     """O2's ComputeCopies hooked the model, then Ctrl-C: the hooks go, the params were never replaced."""
-    from amp_patch.model.compute_copies import ComputeCopies
+    from amp_patch.weights.compute_copies import ComputeCopies
     _interrupt_after(monkeypatch, ComputeCopies, "attach")
     model, hooks, opt = _initialize_interrupted("O2")
     monkeypatch.undo()

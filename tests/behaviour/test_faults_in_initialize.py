@@ -13,13 +13,13 @@ from torch.nn.modules import module as module_mod
 
 import amp_patch
 from amp_patch.casting.engine import CastingEngine
-from amp_patch.model.compute_copies import ComputeCopies
 from amp_patch.model.transform import ModelPatch
 from amp_patch.parallel import ddp as distributed
 from amp_patch.patching.patcher import Patcher
 from amp_patch.session import api as frontend
 from amp_patch.session import state as _state
 from amp_patch.session.session import Session
+from amp_patch.weights.compute_copies import ComputeCopies
 
 LEVELS = ("O1", "O2", "O3")
 # every step of initialize that changes something (frontend's names), faulted right after it ran

@@ -9,7 +9,7 @@ import torch
 
 import amp_patch
 from amp_patch.errors import ConfigError, UsageError
-from amp_patch.scaling.remainder import join, round_split, split, split_
+from amp_patch.weights.storage import join, round_split, split, split_
 
 
 # -- the split rule -----------------------------------------------------------------------------

@@ -73,6 +73,7 @@ FLOORS = (
     ("patching",),
     ("config",),
     ("casting",),
+    ("weights",),
     ("model",),
     ("parallel",),
     ("observe",),
@@ -168,3 +169,23 @@ def test_every_process_wide_patch_besides_op_sites_is_catalogued():
     assert [s for s in others if s not in catalogued and s not in stepped
             and not s.startswith("torch.utils.checkpoint._checkpoint_without_reentrant_generator")] == []
     assert registry.installed() == []
+
+
+def test_one_module_names_every_weight_layout_the_policy_can_choose():
+    from amp_patch.config import opt_levels
+    from amp_patch.weights import layouts
+
+    chosen = set()
+    for level in opt_levels.OPT_LEVELS:
+        for api in opt_levels.APIS:
+            for sharded in (False, True):
+                for rounding in (None, "split"):
+                    try:
+                        props = opt_levels.resolve(level, api=api, fsdp2_sharded=sharded, master_rounding=rounding,
+                                                   half_dtype=torch.bfloat16)
+                    except Exception:
+                        continue
+                    chosen.add(props.weight_layout)
+    assert chosen == set(layouts.LAYOUTS)
+    for name in layouts.LAYOUTS:
+        assert f"\n{name} " in layouts.__doc__

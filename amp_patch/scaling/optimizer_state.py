@@ -43,9 +43,9 @@ import torch
 
 from .._torch import dist as distributed
 from ..weights.masters import TwoCopyMasters
-from . import unscaled
 from .closure_steps import StepSnapshot
 from .foreign_grads import ForeignGrads
+from .forgotten_scale_loss import ForgottenScaleLoss
 from .stages import DOOMED, READY, SCALED, UNSCALED, NextStepStage, Scaled
 from .state_casts import cast_state_to_params, uncast_state
 from .unscale import unscale_
@@ -61,7 +61,7 @@ class OptimizerState(ForeignGrads, NextStepStage):
                  unscaled_warning=False):
         self.optimizer = optimizer
         self.master_weights = master_weights
-        self.unscaled_warning = unscaled_warning  # the opt level where a plain backward trains unscaled
+        self.forgotten = ForgottenScaleLoss(unscaled_warning)  # a plain backward where scale_loss was meant
         self.stepping = 0  # inside step() (a closure's scale_loss runs there)
         self.closure_overflow = False  # a closure's backward overflowed: its grads were zeroed
         self.snapshot = None  # inside step(closure): what the step can change, as it began (closure_steps.py)
@@ -154,7 +154,7 @@ class OptimizerState(ForeignGrads, NextStepStage):
         self._sync_groups()
         self.claim()
         self._drop_kept_model_grads()
-        unscaled.note_scaled(self)
+        self.forgotten.note_scaled()
         self.check_foreign("scale_loss")
         if self.next_step is DOOMED:
             self._pardon()
@@ -320,7 +320,7 @@ class OptimizerState(ForeignGrads, NextStepStage):
         if masters is not None:
             masters.check_backward_outside(self.pending, self.kept_model_grads)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
-        unscaled.check_step(self, closure)
+        self.forgotten.check_step(self.optimizer, closure)
         if self.engine is not None and closure is None:  # a closure runs a forward: keep casting for it
             self.engine.pause_for_step()
         if self.pending is not None:  # the last backward was delayed (or raised): finish it now

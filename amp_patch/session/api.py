@@ -24,15 +24,15 @@ from ..weights.storage import make_storage
 from . import data_loading
 from . import state as _state
 from .checks import (  # noqa: F401
-    _as_list,
     _check_enabled,
-    _check_incoming_fp32,
     _check_models,
     _check_not_initialized,
     _check_optimizers_train_models,
     _check_the_rest,
     _make_scalers,
     _pack,
+    as_list,
+    check_incoming_fp32,
     check_no_nested_models,
     check_no_shared_params,
     check_step_hooks,
@@ -67,14 +67,14 @@ def open_session(call, api):
     _check_enabled(c.enabled)
     if c.models is None:
         raise ConfigError("models=None; pass the model(s) to set up: initialize(model, optimizer, opt_level=...)")
-    model_list = _as_list(c.models, "models", torch.nn.Module)
-    opt_list = _as_list(c.optimizers, "optimizers", torch.optim.Optimizer)
+    model_list = as_list(c.models, "models", torch.nn.Module)
+    opt_list = as_list(c.optimizers, "optimizers", torch.optim.Optimizer)
     if not c.enabled:
         _state.activate(Session(enabled=False))
         return _pack(c.models, c.optimizers)
     check_step_hooks(opt_list)
     _check_models(model_list)
-    _check_incoming_fp32(model_list, c.allow_incoming_model_not_fp32)
+    check_incoming_fp32(model_list, c.allow_incoming_model_not_fp32)
     props = _resolve(c, api, model_list)
     fsdp_groups, unsharded = distributed.check_fsdp_at_initialize(model_list, props, c.master_weights)
     check_no_nested_models(props, model_list)
@@ -115,10 +115,10 @@ def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_
     fp32_data = _prepare_models(session, model_list)
     if not opt_list and session.props.two_copy:  # optimizers attached later (attach_optimizers) get exact
         session.fp32_data = fp32_data  # masters; until then the model's state_dict()/load_state_dict() use these
-    _attach_optimizers(session, opt_list, fp32_data)
+    attach_optimizer_states(session, opt_list, fp32_data)
     _guard_zero_grad(session)
     _warn_clipping_model_params(session)
-    _link_masters(session)
+    link_masters(session)
     session.scaling.scalers = scalers
     _install_casting(session, table, allow_banned)
     _reach_early_bound(session, model_list)
@@ -227,13 +227,13 @@ def _restore_values(session, patch):
 
 def _trains_unscaled(props):
     """The opt level under which a plain backward (scale_loss forgotten) trains without its float16 loss scale, or
-    None: O1, and O2 where the fp32 params are the only weights (see scaling/unscaled.py)."""
+    None: O1, and O2 where the fp32 params are the only weights (see scaling/forgotten_scale_loss.py)."""
     scaled = props.half_dtype is torch.float16 and (props.dynamic or props.loss_scale != 1.0)
     one_owner = props.opt_level == "O1" or props.weight_layout == "one_owner"
     return props.opt_level if scaled and one_owner else None
 
 
-def _attach_optimizers(session, optimizers, fp32_data):
+def attach_optimizer_states(session, optimizers, fp32_data):
     for opt in optimizers:
         props = session.props
         state = OptimizerState(opt, master_weights=props.two_copy,
@@ -245,7 +245,7 @@ def _attach_optimizers(session, optimizers, fp32_data):
         state.attach(fp32_data)
 
 
-def _link_masters(session):
+def link_masters(session):
     """state_dict()/load_state_dict() use the masters, or the kept fp32 data of params no optimizer holds yet
     (called again by attach_optimizers: the later hooks, with the masters, decide)."""
     masters = session.scaling.masters()

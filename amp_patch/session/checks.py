@@ -66,7 +66,7 @@ def check_no_nested_models(props, models):
                     "with inputs in the half dtype, or through the outer model)")
 
 
-def _held(opt):
+def held_params(opt):
     return [p for g in opt.param_groups for p in g["params"]]
 
 
@@ -78,7 +78,7 @@ def check_no_shared_params(props, optimizers, models, attached=()):
         return
     names = {id(p): n for m in models for n, p in m.named_parameters()}
     owner = {}
-    for opt, params in [*attached, *((opt, _held(opt)) for opt in optimizers)]:
+    for opt, params in [*attached, *((opt, held_params(opt)) for opt in optimizers)]:
         for p in params:
             first = owner.setdefault(id(p), opt)
             if first is not opt:
@@ -91,7 +91,7 @@ def check_no_shared_params(props, optimizers, models, attached=()):
                     "{'params': b, 'lr': 1e-3}]))")
 
 
-def _as_list(objs, what, kind):
+def as_list(objs, what, kind):
     if objs is None:
         return []
     items = list(objs) if isinstance(objs, (list, tuple)) else [objs]
@@ -132,7 +132,7 @@ def _check_models(models):
 
 
 
-def _check_incoming_fp32(models, allow):
+def check_incoming_fp32(models, allow):
     """Apex refused a model that arrives in half: its weights would have no fp32 values to train from."""
     if allow or _state.allow_incoming_model_not_fp32():
         return

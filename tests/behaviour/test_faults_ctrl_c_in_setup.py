@@ -169,9 +169,7 @@ def test_ctrl_c_inside_no_grad_while_undoing_an_interrupted_initialize_leaves_gr
 
 # Deinitialize enters no_grad() where it writes weights: the two-copy masters carry the half params' last edits.
 # Default O2 (one owner) and O3 keep no second copy, write no weight at deinitialize and enter no no_grad() there.
-DEINIT_NO_GRAD = {"O2 split": dict(opt_level="O2", half_dtype=torch.bfloat16, master_rounding="split"),
-                  "O2 fp16 split": dict(opt_level="O2", half_dtype=torch.bfloat16, master_rounding="split",
-                                        loss_scale="dynamic")}
+DEINIT_NO_GRAD = {"O2 split": dict(opt_level="O2", half_dtype=torch.bfloat16, master_rounding="split")}
 
 
 @pytest.mark.parametrize("which", ["__enter__", "__exit__"])

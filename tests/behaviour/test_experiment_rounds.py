@@ -227,15 +227,17 @@ def _report_with_memory():
 
 
 def _bars(ax, index=None):
-    """(heights, [(low, high)] of the error bars or None) of the one bar chart on ax (or its ``index``-th)."""
+    """(lengths, [(low, high)] of the error bars or None) of the one bar chart on ax (or its ``index``-th); the
+    bars are horizontal (a bar's length is its width) or vertical."""
     from matplotlib.container import BarContainer
     containers = [c for c in ax.containers if isinstance(c, BarContainer)]
     (container,) = containers if index is None else containers[index:index + 1]
-    heights = [patch.get_height() for patch in container.patches]
+    along = 0 if container.orientation == "horizontal" else 1
+    lengths = [patch.get_width() if along == 0 else patch.get_height() for patch in container.patches]
     if container.errorbar is None:
-        return heights, None
+        return lengths, None
     (segments,) = [c.get_segments() for c in container.errorbar.lines[2]]
-    return heights, [(seg[0][1], seg[1][1]) for seg in segments]
+    return lengths, [(seg[0][along], seg[1][along]) for seg in segments]
 
 
 def test_png_shows_each_variants_memory_growth_and_the_step_times_spread():

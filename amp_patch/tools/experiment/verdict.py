@@ -152,11 +152,20 @@ def _against_others(fastest, candidates, variants, same):
         if name in ("fp32", fastest) or name in twins:
             continue
         pair = pair_ratio(variants[fastest], variants[name])
-        if pair is not None and pair["significant"] and pair["ratio"] < 1.0:
+        if pair is not None and pair["significant"] and pair["ratio"] < 1.0 or \
+                pair is None and _apart(variants[fastest], variants[name]):
             beaten.append(name)
         else:
             ties.append((name, pair))
     return ties, beaten
+
+
+def _apart(a, b):
+    """Without rounds timed by both (a report built from ratios alone): ``a``'s rounds' ratios to fp32 all at or
+    below ``b``'s, both significant against fp32."""
+    high, low = a.get("ratio_to_fp32_max"), b.get("ratio_to_fp32_min")
+    return (high is not None and low is not None and a.get("ratio_to_fp32_significant") is True
+            and b.get("ratio_to_fp32_significant") is True and high <= low)
 
 
 def _label(name):

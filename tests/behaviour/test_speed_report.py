@@ -30,6 +30,18 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def half_hardware_here(monkeypatch):
+    """The machine reads as running the half dtype on hardware: the planted causes are these tests' subject, and a
+    CPU without bf16/fp16 flags would put its (unmeasured, first-ranked) hardware finding above each of them.
+    test_missing_half_hardware_is_stated_once_and_first reads the opposite."""
+    def on_hardware(device, dtype, flags=None):
+        name = str(dtype).removeprefix("torch.")
+        return machine.HalfHardware("CPU", name, True, f"{name} flags present (test)")
+
+    monkeypatch.setattr(machine, "half_hardware", on_hardware)
+
+
 def _report(job, opt_level="O1", **kwargs):
     return amp_patch.speed_report(f"_speed_jobs:{job}", opt_level=opt_level, steps=STEPS, **kwargs)
 

@@ -54,9 +54,9 @@ def _share(share):
 
 def text(report):
     dtype = "" if report.opt_level == "O0" else f" {report.half_dtype}"
+    hardware = [f"half precision: {report.half_hardware}"] if report.half_hardware else []
     lines = [f"amp-patch speed: {report.job}, {report.opt_level}{dtype} on {report.device}, {report.steps} steps: "
-             f"median step {report.step_ms:.2f} ms",
-             f"machine: {report.machine}" + (f"; {report.half_hardware}" if report.half_hardware else ""),
+             f"median step {report.step_ms:.2f} ms", f"machine: {report.machine}", *hardware,
              "step: " + ", ".join(f"{phase} {share:.0%}" for phase, share in report.phases.items())]
     if not report.findings:
         lines.append(f"\n{HEALTHY}: no data wait, host read, misaligned layer, DataParallel, cast, optimizer or "

@@ -153,13 +153,16 @@ class VariantRun:
 
     def _measure_lost_updates(self):
         """``unchanged_by_update``: the share of weights with a nonzero gradient that one more step left as they
-        were (:mod:`.stagnation`); None when that step was skipped (a loss-scale overflow)."""
-        with self._guard():
+        were (:mod:`.stagnation`); None when that step was skipped (a loss-scale overflow) or raised (the
+        variant's result, from its recorded steps, stands)."""
+        try:
             batch = [t.to(self.device) if torch.is_tensor(t) else t for t in next(self.batches)]
             with UnchangedByUpdate(self.optimizer) as probe:
                 _one_step(self.model, self.optimizer, self.runner, self.job, batch)
             if not self.runner.last_skipped(self.optimizer):
                 self.result["unchanged_by_update"] = probe.share
+        except Exception:  # noqa: BLE001 - a figure beside the result, never its failure
+            self.result["unchanged_by_update"] = None
 
     def snapshot(self):
         """A copy of the result as ``close()`` would finish it now (what an interrupted experiment keeps)."""

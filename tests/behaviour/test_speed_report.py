@@ -31,13 +31,12 @@ def one_thread():
 
 
 @pytest.fixture(autouse=True)
-def half_hardware_here(monkeypatch):
-    """The machine reads as running the half dtype on hardware: the planted causes are these tests' subject, and a
-    CPU without bf16/fp16 flags would put its (unmeasured, first-ranked) hardware finding above each of them.
-    test_missing_half_hardware_is_stated_once_and_first reads the opposite."""
+def half_runs_on_hardware(monkeypatch):
+    """The planted causes are read on a machine whose half dtype runs on hardware (the GPUs and bf16 CPUs users
+    tune on). Where it does not, the hardware finding comes first by design: the tests of that finding say so."""
     def on_hardware(device, dtype, flags=None):
         name = str(dtype).removeprefix("torch.")
-        return machine.HalfHardware("CPU", name, True, f"{name} flags present (test)")
+        return machine.HalfHardware("CPU", name, True, f"{name} read as on hardware by the test")
 
     monkeypatch.setattr(machine, "half_hardware", on_hardware)
 

@@ -18,6 +18,8 @@ from .shapes import MULTIPLE, misaligned, padded
 
 #: the share of the step time from which a cause is reported
 THRESHOLDS = {"data_loading": 0.15, "casts": 0.10, "optimizer": 0.25, "alignment": 0.01, "op_list_overhead": 0.05}
+#: the least share of the step a measured fix must save to be printed
+MIN_GAIN = 0.05
 _FIRST = ("hardware", "data_parallel", "host_sync")
 
 
@@ -114,7 +116,7 @@ def data_loading(m, ctx):
     gain = m.loader_gain
     measured = ""
     if not workers:
-        if gain is None or not gain.significant or gain.saved_ms / m.step_ms() < THRESHOLDS["data_loading"]:
+        if gain is None or not gain.significant or gain.saved_ms / m.step_ms() < MIN_GAIN:
             return None  # workers measured no faster here (or not measurable): no fix to print
         measured = (f"; with num_workers={suggested_workers()} the same Dataset delivered a batch in "
                     f"{gain.after_ms:.2f} ms instead of {gain.before_ms:.2f} ms ({_pct(gain.saved_ms / m.step_ms())} "

@@ -50,7 +50,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                *, half_dtype=None, op_lists=None, allow_banned=False, growth_factor=2.0, backoff_factor=0.5,
                growth_interval=2000, hysteresis=1, keep_fp32_modules=(), log_all_ranks=False,
                diagnose_overflow=False, history_size=1000, allow_incoming_model_not_fp32=False,
-               master_rounding=None):
+               master_rounding=None, cast_engine="hybrid"):
     """Set up mixed precision for ``models`` and ``optimizers`` (Apex's signature plus keyword-only extras).
 
     Returns the models and optimizers in the structure they were passed (only
@@ -68,6 +68,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     check_step_hooks(opt_list)
     _check_models(model_list)
     _check_incoming_fp32(model_list, allow_incoming_model_not_fp32)
+    _check_cast_engine(cast_engine)
     props = resolve(opt_level, half_dtype=half_dtype, keep_fp32_modules=keep_fp32_modules,
                     cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
@@ -85,7 +86,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     session.grad_enabled = torch.is_grad_enabled()  # what undoing a failed (or interrupted) initialize leaves
     session.parallel.fsdp_groups = fsdp_groups
     try:
-        _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks)
+        _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks, cast_engine)
         session.parallel.unsharded_models = unsharded
         _set_up_diagnostics(session, model_list, diagnose_overflow, history_size)
         _log_configuration(props, verbosity)
@@ -107,7 +108,17 @@ def _weight_layout(props):
     return props
 
 
-def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks):
+def _check_cast_engine(cast_engine):
+    if cast_engine not in CAST_ENGINES:
+        raise ConfigError(f"cast_engine={cast_engine!r}; allowed: 'hybrid' (the default: native autocast casts the "
+                          "ops whose category is native's inside the models' forwards, Python wrappers the rest) or "
+                          "'python' (every op of the list cast by its Python wrapper; see docs/architecture.md)")
+
+
+CAST_ENGINES = ("hybrid", "python")
+
+
+def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks, cast_engine="hybrid"):
     """The steps of initialize that change something; each registers its undo before (or as) it acts."""
     session.undo.append(distributed.install_rank_filter(log_all_ranks))
     fp32_data = _prepare_models(session, model_list)
@@ -118,7 +129,7 @@ def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_
     _warn_clipping_model_params(session)
     _link_masters(session)
     session.scaling.scalers = scalers
-    _install_casting(session, table, allow_banned)
+    _install_casting(session, table, allow_banned, hybrid=cast_engine == "hybrid")
     _reach_early_bound(session, model_list)
     _attach_scopes(session, model_list)
     _guard_step_pause(session, model_list)
@@ -265,7 +276,7 @@ def _model_rounding(session):
     return lambda param, master: owner[id(param)].to_model(param, master) if id(param) in owner else master
 
 
-def _install_casting(session, table, allow_banned):
+def _install_casting(session, table, allow_banned, hybrid=True):
     props = session.props
     if table is None:
         return
@@ -274,7 +285,8 @@ def _install_casting(session, table, allow_banned):
                  "y" if len(table.skipped) == 1 else "ies", torch.__version__,
                  "; ".join(f"{s.entry.qualname} ({s.entry.path}:{s.entry.line}: {s.reason})" for s in table.skipped))
     engine = session.casting.engine = CastingEngine(table, half_dtype=props.half_dtype, allow_banned=allow_banned,
-                                                    registrations=REGISTRY.take(), activation=_state.ACTIVATION)
+                                                    registrations=REGISTRY.take(), activation=_state.ACTIVATION,
+                                                    hybrid=hybrid)
     session.undo.append(engine.uninstall)
     engine.install()
     session.undo.append(data_loading.install(engine))

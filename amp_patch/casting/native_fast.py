@@ -143,14 +143,25 @@ class FastRegions:
         return _get_ident() in self.saved
 
 
+def _excluding_native(call, bypass, ident, args, kwargs):
+    """``call`` with native autocast excluded and this thread out of ``bypass``: the wrappers of matching ops that
+    ``call`` reaches (a Python op calling ``torch.matmul``) cast in Python, as the Python engine does."""
+    was = bypass.pop(ident, None)
+    try:
+        with _DisableAutocast():
+            return call(*args, **kwargs)
+    finally:
+        if was is not None:
+            bypass[ident] = was
+
+
 def native_off(inner, fast):
     """``inner`` (a Python wrapper) run with native autocast excluded while a fast region is open in the thread."""
-    saved, get_ident = fast.saved, _get_ident
+    saved, bypass, get_ident = fast.saved, fast.bypass, _get_ident
 
     def wrapper(*args, **kwargs):
         if saved and get_ident() in saved:
-            with _DisableAutocast():
-                return inner(*args, **kwargs)
+            return _excluding_native(inner, bypass, get_ident(), args, kwargs)
         return inner(*args, **kwargs)
 
     functools.update_wrapper(wrapper, inner)
@@ -160,12 +171,11 @@ def native_off(inner, fast):
 
 def off_only(original, entry, fast):
     """The wrapper of an op native would cast where the Python engine does not: native off in a fast region."""
-    saved, get_ident = fast.saved, _get_ident
+    saved, bypass, get_ident = fast.saved, fast.bypass, _get_ident
 
     def wrapper(*args, **kwargs):
         if saved and get_ident() in saved:
-            with _DisableAutocast():
-                return original(*args, **kwargs)
+            return _excluding_native(original, bypass, get_ident(), args, kwargs)
         return original(*args, **kwargs)
 
     functools.update_wrapper(wrapper, original)

@@ -24,9 +24,16 @@ from ..config.oplist import OpEntry, load_op_lists
 
 REFERENCE_LISTS = {"cpu": "torch_cpu", "cuda": "torch_cuda"}
 _NOT_SAME_MARKERS = re.compile(r"^\s*-\s*(?:name:\s*)?([A-Za-z_0-9]+).*\((fp32_set_opt_dtype|fp32_append_dtype)\)")
-# entry points whose C++ composite reaches an aten op native autocast casts, with no Python entry point for it
-# (reflection/replication padding inside torch._C._nn.pad: float on CPU): the Python engine runs them uncast
-COMPOSITE_GAPS = (("torch._C._nn", "pad"),)
+# entry points whose C++ composite reaches an aten op native autocast casts, where no wrapper sees it: the Python
+# engine runs them uncast (reflection/replication padding inside torch._C._nn.pad, float on CPU; mm/matmul inside
+# cov, corrcoef, tensordot, bilinear, matrix_power, multi_dot, chain_matmul, pinv). Found by comparing the two
+# engines over every op of torch's op_db (tests/oracle/test_hybrid_engine_matches_python.py, AMP_PATCH_FULL_OPDB=1)
+COMPOSITE_GAPS = (("torch._C._nn", "pad"), ("torch", "cov"), ("torch", "corrcoef"), ("torch", "tensordot"),
+                  ("torch", "bilinear"), ("torch", "matrix_power"), ("torch", "chain_matmul"),
+                  ("torch.Tensor", "cov"), ("torch.Tensor", "corrcoef"), ("torch.Tensor", "matrix_power"),
+                  ("torch._C._linalg", "linalg_matrix_power"), ("torch._C._linalg", "linalg_multi_dot"),
+                  ("torch._C._linalg", "linalg_pinv"), ("torch.linalg", "matrix_power"), ("torch.linalg", "multi_dot"),
+                  ("torch.linalg", "pinv"))
 
 
 @dataclasses.dataclass(frozen=True)

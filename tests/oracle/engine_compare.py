@@ -16,13 +16,13 @@ import amp_patch
 
 
 def _bits(t):
+    """The tensor's bytes (NaN payloads included), whatever its layout and strides."""
     t = t.detach()
     if t.layout != torch.strided:
         t = t.to_dense()
-    t = t.contiguous()
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj())
-    return t.view(torch.uint8).flatten() if t.dim() else t.reshape(1).view(torch.uint8)
+    return t.reshape(-1).clone().view(torch.uint8)
 
 
 def tensors(x):
@@ -135,11 +135,14 @@ def _late_bound(fn):
     return fn
 
 
+_UNINITIALIZED = ("empty", "new_empty")  # their values are whatever memory held: not a casting question
+
+
 def op_calls(ops, samples_per_op=2):
     """``(name, call)`` per sample of each OpInfo in ``ops`` (float32 inputs on CPU)."""
     calls = []
     for op in ops:
-        if torch.float32 not in op.supported_dtypes("cpu"):
+        if torch.float32 not in op.supported_dtypes("cpu") or op.name.startswith(_UNINITIALIZED):
             continue
         try:
             samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))[:samples_per_op]

@@ -136,7 +136,9 @@ def _sample_ops():
              "nn.functional.cross_entropy", "nn.functional.mse_loss", "nn.functional.layer_norm", "cat", "stack",
              "index_copy", "prod", "cdist", "nn.functional.softmax", "sum", "add", "mul", "nn.functional.gelu",
              "nn.functional.scaled_dot_product_attention", "nn.functional.grid_sample", "linalg.vecdot",
-             "nn.functional.binary_cross_entropy_with_logits", "addcmul", "nn.functional.embedding"}
+             "nn.functional.binary_cross_entropy_with_logits", "addcmul", "nn.functional.embedding", "cov",
+             "corrcoef", "tensordot", "nn.functional.bilinear", "linalg.matrix_power", "linalg.multi_dot",
+             "linalg.pinv", "__rmatmul__"}
     return [op for op in op_db if op.name in names]
 
 

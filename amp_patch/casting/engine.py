@@ -28,9 +28,10 @@ class CastingEngine:
     """Installs the wrappers for an :class:`~amp_patch.config.oplist.OpTable` plus user registrations."""
 
     def __init__(self, table, *, half_dtype=torch.float16, allow_banned=False, registrations=(), activation=None,
-                 hybrid=False):
+                 hybrid=()):
         self.table = table
-        self.hybrid = hybrid  # native autocast casts the ops that match it inside forwards (native_fast)
+        # device types whose native autocast casts the ops that match it inside forwards (native_fast); () none
+        self.hybrid = tuple(hybrid)
         # what the engine may ask of activation (the live engine, a temporary region), injected by the session
         # layer (amp_patch.session.state.ACTIVATION); None: a checkpoint recompute after this engine's region
         # closed runs uncast
@@ -100,7 +101,7 @@ class CastingEngine:
         if not self.hybrid or self.tracer is not None:
             return
         keep = set(scoped) | {(reg.entry.target, reg.entry.name) for reg in self.registrations}
-        devices = tuple(dict.fromkeys(("cpu", self.device_type)))
+        devices = self.hybrid
         self.native_keys = native_keys(self.table, devices, keep)
         if self.native_keys:
             self.fast = FastRegions(self, devices)

@@ -18,8 +18,6 @@ import functools
 import pathlib
 import re
 
-import yaml
-
 from ..config.oplist import OpEntry, load_op_lists
 
 REFERENCE_LISTS = {"cpu": "torch_cpu", "cuda": "torch_cuda"}
@@ -58,6 +56,8 @@ def reference(device_type):
     name = REFERENCE_LISTS.get(device_type)
     if name is None:
         return None
+    import yaml  # (importing amp_patch reads no YAML)
+
     table = load_op_lists(name)
     path = _shipped_path(name)
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))

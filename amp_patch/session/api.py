@@ -34,9 +34,11 @@ from .checks import (  # noqa: F401
     _check_the_rest,
     _make_scalers,
     _pack,
+    check_cast_engine,
     check_no_nested_models,
     check_no_shared_params,
     check_step_hooks,
+    hybrid_device_types,
 )
 from .session import Session
 from .user_functions import REGISTRY
@@ -68,7 +70,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     check_step_hooks(opt_list)
     _check_models(model_list)
     _check_incoming_fp32(model_list, allow_incoming_model_not_fp32)
-    _check_cast_engine(cast_engine)
+    check_cast_engine(cast_engine)
     props = resolve(opt_level, half_dtype=half_dtype, keep_fp32_modules=keep_fp32_modules,
                     cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
@@ -108,16 +110,6 @@ def _weight_layout(props):
     return props
 
 
-def _check_cast_engine(cast_engine):
-    if cast_engine not in CAST_ENGINES:
-        raise ConfigError(f"cast_engine={cast_engine!r}; allowed: 'hybrid' (the default: native autocast casts the "
-                          "ops whose category is native's inside the models' forwards, Python wrappers the rest) or "
-                          "'python' (every op of the list cast by its Python wrapper; see docs/architecture.md)")
-
-
-CAST_ENGINES = ("hybrid", "python")
-
-
 def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks, cast_engine="hybrid"):
     """The steps of initialize that change something; each registers its undo before (or as) it acts."""
     session.undo.append(distributed.install_rank_filter(log_all_ranks))
@@ -129,7 +121,8 @@ def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_
     _warn_clipping_model_params(session)
     _link_masters(session)
     session.scaling.scalers = scalers
-    _install_casting(session, table, allow_banned, hybrid=cast_engine == "hybrid")
+    hybrid = hybrid_device_types(model_list) if cast_engine == "hybrid" else ()
+    _install_casting(session, table, allow_banned, hybrid=hybrid)
     _reach_early_bound(session, model_list)
     _attach_scopes(session, model_list)
     _guard_step_pause(session, model_list)
@@ -276,7 +269,7 @@ def _model_rounding(session):
     return lambda param, master: owner[id(param)].to_model(param, master) if id(param) in owner else master
 
 
-def _install_casting(session, table, allow_banned, hybrid=True):
+def _install_casting(session, table, allow_banned, hybrid=()):
     props = session.props
     if table is None:
         return

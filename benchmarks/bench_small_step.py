@@ -1,7 +1,7 @@
 """Small-model step time and per-call cost: amp_patch O1 (hybrid and Python engines) and O2 vs native autocast.
 
 Usage: python benchmarks/bench_small_step.py [--rounds 7] [--steps 200] [--calls 2000] [--clock thread|wall]
-                                             [--dtype bfloat16|float16] [--op-lists apex]
+                                             [--dtype bfloat16|float16] [--op-lists apex] [--width 64] [--batch 32]
 
 Step: a 3-layer MLP (width 64, batch 32), AdamW, 1 thread; every round runs each variant (order rotated) on a
 fresh copy for ``--steps`` steps after 10 warm-up steps; the figure is the median over rounds of each round's
@@ -32,10 +32,11 @@ VARIANTS = {"native": None, "O1": dict(opt_level="O1"), "O1 python engine": dict
             "O2": dict(opt_level="O2")}
 
 
-def _mlp():
+def _mlp(width=64, batch=32):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    return model, torch.randn(32, 64), torch.randint(0, 10, (32,))
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                          nn.Linear(width, 10))
+    return model, torch.randn(batch, width), torch.randint(0, 10, (batch,))
 
 
 def _options(variant, args):
@@ -118,13 +119,15 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--clock", choices=("thread", "wall"), default="thread")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--width", type=int, default=64, help="the MLP's width (512+: a compute-bound step)")
+    parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--op-lists", default=None, help="op list of the O1 variants (default: initialize's)")
     args = parser.parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     print(machine_line() + f", clock {args.clock}, {args.rounds} rounds x {args.steps} steps")
-    base, x, y = _mlp()
+    base, x, y = _mlp(args.width, args.batch)
     names = list(VARIANTS)
     steps, calls = {v: [] for v in names}, {v: [] for v in names}
     for r in range(args.rounds):
@@ -132,7 +135,7 @@ def main(argv=None):
             steps[variant].append(_steps(variant, base, x, y, args, clock))
             calls[variant].append(_per_call(variant, args, clock))
     native = statistics.median(steps["native"])
-    print("\n| MLP 3x64, batch 32, AdamW | " + " | ".join(names) + " |")
+    print(f"\n| MLP 3x{args.width}, batch {args.batch}, AdamW | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     print("| step us | " + " | ".join(f"{statistics.median(steps[v]) * 1e6:.0f}" for v in names) + " |")
     print("| step / native | " + " | ".join(f"{statistics.median(steps[v]) / native:.3f}" for v in names) + " |")

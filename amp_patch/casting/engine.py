@@ -16,7 +16,7 @@ from ..patching.resolve import resolve_target
 from .cache import CastCache, make_to_half
 from .interop import forked, native_regions, recompute, warn_site
 from .native_fast import FastRegions, native_off, off_only
-from .native_plan import native_keys, off_entries
+from .native_plan import native_keys, native_sees, off_entries
 from .scopes import ScopeRuntime, passthrough, unmatched_globs
 from .wrappers import DisabledThreads, make_wrapper
 
@@ -97,7 +97,7 @@ class CastingEngine:
     def _plan_fast(self, scoped):
         """Hybrid, without a tracer: which entries native autocast casts in fast regions, which wrappers only turn
         native off there (native_plan); else none, and every op takes the Python path."""
-        self.fast, self.native_keys, self._off_entries = None, frozenset(), ()
+        self.fast, self.native_keys, self._off_entries, self._native_sees = None, frozenset(), (), frozenset()
         if not self.hybrid or self.tracer is not None:
             return
         keep = set(scoped) | {(reg.entry.target, reg.entry.name) for reg in self.registrations}
@@ -106,6 +106,7 @@ class CastingEngine:
         if self.native_keys:
             self.fast = FastRegions(self, devices)
             self._off_entries = off_entries(self.table, devices, keep)
+            self._native_sees = native_sees(devices)
 
     def _install_one(self, owner, entry, scoped=False):
         method, fast = isinstance(owner, type), self.fast
@@ -117,7 +118,7 @@ class CastingEngine:
         elif fast is not None and not scoped and (entry.target, entry.name) in self.native_keys:
             view = _SwitchView(self, fast.bypass)  # passes through in fast regions too
             wrap = lambda original, e: make_wrapper(original, e, view, method=method)  # noqa: E731
-        elif fast is not None:
+        elif fast is not None and (scoped or (entry.target, entry.name) in self._native_sees):
             wrap = lambda original, e: native_off(make_wrapper(original, e, self, method=method), fast)  # noqa: E731
         else:
             wrap = lambda original, e: make_wrapper(original, e, self, method=method)  # noqa: E731

@@ -104,3 +104,14 @@ def off_entries(table, device_types, keep_python=frozenset()):
             keys.update(ref.categories)
     keys = sorted(k for k in keys if k not in table and k not in keep_python)
     return tuple(OpEntry(target, name, "native_off", "<native autocast>", 0) for target, name in keys)
+
+
+def native_sees(device_types):
+    """The keys whose calls native autocast may cast in a fast region (the references' entries and
+    :data:`COMPOSITE_GAPS`): a non-matching wrapper of one of these runs with native off there; any other wrapper
+    (an apex-list ``add``, a user's registration of an op native never casts) runs as it is, one frame less."""
+    keys = set(COMPOSITE_GAPS)
+    for device in device_types:
+        ref = reference(device)
+        keys.update(ref.categories if ref is not None else ())
+    return frozenset(keys)

@@ -15,6 +15,8 @@ from ..patching.patcher import Patcher
 from ..patching.resolve import resolve_target
 from .cache import CastCache, make_to_half
 from .interop import forked, native_regions, recompute, warn_site
+from .native_fast import FastRegions, native_off, off_only
+from .native_plan import native_keys, native_sees, off_entries
 from .scopes import ScopeRuntime, passthrough, unmatched_globs
 from .wrappers import DisabledThreads, make_wrapper
 
@@ -25,8 +27,11 @@ _compiling = torch.compiler.is_compiling
 class CastingEngine:
     """Installs the wrappers for an :class:`~amp_patch.config.oplist.OpTable` plus user registrations."""
 
-    def __init__(self, table, *, half_dtype=torch.float16, allow_banned=False, registrations=(), activation=None):
+    def __init__(self, table, *, half_dtype=torch.float16, allow_banned=False, registrations=(), activation=None,
+                 hybrid=()):
         self.table = table
+        # device types whose native autocast casts the ops that match it inside forwards (native_fast); () none
+        self.hybrid = tuple(hybrid)
         # what the engine may ask of activation (the live engine, a temporary region), injected by the session
         # layer (amp_patch.session.state.ACTIVATION); None: a checkpoint recompute after this engine's region
         # closed runs uncast
@@ -45,6 +50,8 @@ class CastingEngine:
         self.scopes = ScopeRuntime(table.scopes) if getattr(table, "scopes", ()) else None
         self.device_type = native_regions.engine_device_type()  # whose torch.autocast(enabled=False) regions count
         self.native_regions = {}  # thread ident -> open native autocast regions of device_type (native_regions)
+        self.fast = None  # the hybrid engine's FastRegions while installed without a tracer
+        self.native_keys = frozenset()  # (target, name) of the entries left to native autocast in fast regions
 
     @property
     def installed(self):
@@ -62,8 +69,10 @@ class CastingEngine:
         registered = {(id(reg.owner), reg.entry.name) for reg in self.registrations}
         owners = {}
         scoped = self._scoped_entries()
+        self._plan_fast(scoped)
+        extra = tuple(e for k, e in scoped.items() if k not in self.table) + self._off_entries
         try:
-            for entry in self.table.entries + tuple(e for k, e in scoped.items() if k not in self.table):
+            for entry in self.table.entries + extra:
                 owner = owners.get(entry.target) or owners.setdefault(entry.target, resolve_target(entry.target))
                 if (id(owner), entry.name) not in registered:
                     self._install_one(owner, entry, (entry.target, entry.name) in scoped)
@@ -85,12 +94,34 @@ class CastingEngine:
             return {}
         return {(e.target, e.name): e for scope in self.scopes.scopes for e in scope.entries}
 
+    def _plan_fast(self, scoped):
+        """Hybrid, without a tracer: which entries native autocast casts in fast regions, which wrappers only turn
+        native off there (native_plan); else none, and every op takes the Python path."""
+        self.fast, self.native_keys, self._off_entries, self._native_sees = None, frozenset(), (), frozenset()
+        if not self.hybrid or self.tracer is not None:
+            return
+        keep = set(scoped) | {(reg.entry.target, reg.entry.name) for reg in self.registrations}
+        devices = self.hybrid
+        self.native_keys = native_keys(self.table, devices, keep)
+        if self.native_keys:
+            self.fast = FastRegions(self, devices)
+            self._off_entries = off_entries(self.table, devices, keep)
+            self._native_sees = native_sees(devices)
+
     def _install_one(self, owner, entry, scoped=False):
-        method = isinstance(owner, type)
-        if self.tracer is None:
-            wrap = lambda original, e: make_wrapper(original, e, self, method=method)  # noqa: E731
-        else:
+        method, fast = isinstance(owner, type), self.fast
+        if fast is not None and entry.category == "native_off":
+            self.patcher.install(owner, entry.name, lambda original: off_only(original, entry, fast))
+            return
+        if self.tracer is not None:
             wrap = lambda original, e: self.tracer.wrap(original, e, self, method=method)  # noqa: E731
+        elif fast is not None and not scoped and (entry.target, entry.name) in self.native_keys:
+            view = _SwitchView(self, fast.bypass)  # passes through in fast regions too
+            wrap = lambda original, e: make_wrapper(original, e, view, method=method)  # noqa: E731
+        elif fast is not None and (scoped or (entry.target, entry.name) in self._native_sees):
+            wrap = lambda original, e: native_off(make_wrapper(original, e, self, method=method), fast)  # noqa: E731
+        else:
+            wrap = lambda original, e: make_wrapper(original, e, self, method=method)  # noqa: E731
         if not scoped:
             self.patcher.install(owner, entry.name, lambda original: wrap(original, entry))
             return
@@ -104,6 +135,8 @@ class CastingEngine:
                 if (scoped_entry.target, scoped_entry.name) == key:
                     self.scopes.set_wrapper(scope, scoped_entry, wrap(original, scoped_entry))
         base = wrap(original, entry) if entry.scope is None else passthrough(original)
+        if entry.scope is not None and self.fast is not None:
+            base = native_off(base, self.fast)
         return self.scopes.dispatcher(key, base, original)
 
     def attach_scopes(self, models):
@@ -117,13 +150,19 @@ class CastingEngine:
                             "validate --job MODULE:FUNCTION)", scope.glob, scope.path, scope.line)
 
     def retrace(self, tracer):
-        """Reinstall every wrapper, recording into ``tracer`` (or, with None, the plain ones)."""
+        """Reinstall every wrapper, recording into ``tracer`` (or, with None, the plain ones). With a tracer every
+        op takes the Python path (the recording wrappers see every call), as with ``cast_engine="python"``."""
+        if self.fast is not None:
+            self.fast.clear()
+            self.disabled.on_change = None
         self.patcher.restore_all()
         self.install(tracer)
 
     def uninstall(self):
         if self.scopes is not None:
             self.scopes.detach()
+        if self.fast is not None:
+            self.fast.clear()  # native autocast back as this thread's region found it
         self.patcher.restore_all()
         dynamo_tables.forget_after_unpatching(self._dynamo_table)
         self.cache.clear()
@@ -150,12 +189,16 @@ class CastingEngine:
         self.cache.entries.clear()
         ident = threading.get_ident()
         self.forwards[ident] = self.forwards.get(ident, 0) + 1
+        if self.fast is not None:
+            self.fast.open()
 
     def end_forward(self):
         """A forward of a session's model returned: the outermost drops the casts (one that raised is forgotten
         at the thread's next scale_loss: ``forget_forwards``)."""
         if _compiling():
             return
+        if self.fast is not None:
+            self.fast.close()
         ident = threading.get_ident()
         depth = self.forwards.get(ident, 0) - 1
         if depth > 0:
@@ -167,6 +210,8 @@ class CastingEngine:
 
     def forget_forwards(self):
         self.forwards.pop(threading.get_ident(), None)
+        if self.fast is not None:
+            self.fast.forget()
 
     def pause_for_step(self):
         """Optimizer math runs on fp32 params/grads: no wrapper has anything to cast there, so skip them for
@@ -196,3 +241,12 @@ class CastingEngine:
             yield
         finally:
             self.disabled.exit()
+
+
+class _SwitchView:
+    """The engine as the wrappers of matching ops see it: the same casters, ``bypass`` as their switch."""
+
+    def __init__(self, engine, switch):
+        self.disabled = switch
+        self.to_half = engine.to_half
+        self.allow_banned = engine.allow_banned

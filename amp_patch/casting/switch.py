@@ -12,9 +12,14 @@ class DisabledThreads(dict):
     ``threading.local`` attribute read on every call).
     """
 
+    on_change = None  # called with the thread's ident after its depth changed (the hybrid engine's fast regions)
+    linked = ()  # switches closed with this one
+
     def enter(self):
         ident = threading.get_ident()
         self[ident] = self.get(ident, 0) + 1
+        if self.on_change is not None:
+            self.on_change(ident)
 
     def exit(self):
         ident = threading.get_ident()
@@ -23,6 +28,17 @@ class DisabledThreads(dict):
             self[ident] = depth
         else:
             del self[ident]
+        if self.on_change is not None:
+            self.on_change(ident)
+
+    def set_depth(self, ident, depth):
+        """Set a thread's depth outright (a checkpoint recompute runs with its forward's)."""
+        if depth:
+            self[ident] = depth
+        else:
+            self.pop(ident, None)
+        if self.on_change is not None:
+            self.on_change(ident)
 
     def here(self):
         return threading.get_ident() in self
@@ -34,7 +50,10 @@ class DisabledThreads(dict):
         no-ops."""
         self.clear()
         self[None] = 1
+        self.on_change = None
         self.__class__ = _ClosedThreads
+        for other in self.linked:
+            other.close()
 
 
 class _ClosedThreads(DisabledThreads):
@@ -48,6 +67,9 @@ class _ClosedThreads(DisabledThreads):
         pass
 
     def exit(self):
+        pass
+
+    def set_depth(self, ident, depth):
         pass
 
     def close(self):

@@ -18,6 +18,18 @@ CATALOGUE = (
     ("torch.optim.optimizer.Optimizer._lazy_init_maybe_master_weights", "legacy.amp_stash", "Apex's name, a no-op"),
     ("torch.nn.modules.rnn.RNNBase.check_input", "casting.interop.modules",
      "the dtype part of RNN input checks answers for the cast dtype while the _VF wrapper casts"),
+    ("torch._C._is_any_autocast_enabled", "casting.interop.native_regions",
+     "hybrid O1 engine: RNN input checks see native autocast as the Python path leaves it (off) in a fast region"),
+    *((site, "casting.native_plan",
+       "hybrid O1 engine: runs with native autocast off in a fast region (its C++ composite reaches an op native "
+       "autocast casts and no wrapper sees: padding, mm/matmul)")
+      for site in ("torch._C._nn.pad", "torch.cov", "torch.corrcoef", "torch.tensordot", "torch.bilinear",
+                   "torch.matrix_power", "torch.chain_matmul", "torch.Tensor.cov", "torch.Tensor.corrcoef",
+                   "torch.Tensor.matrix_power", "torch._C._linalg.linalg_matrix_power",
+                   "torch._C._linalg.linalg_multi_dot", "torch._C._linalg.linalg_pinv", "torch.linalg.matrix_power",
+                   "torch.linalg.multi_dot", "torch.linalg.pinv")),
+    ("<native autocast's entries the op list lacks>", "casting.native_plan",
+     "hybrid O1 engine: each runs with native autocast off in a fast region, as uncast as under the Python engine"),
     ("warnings._showwarnmsg", "casting.interop.warn_site", "a warning torch raises in a wrapped op names the caller"),
     ("torch.utils.checkpoint.CheckpointFunction.apply", "casting.interop.recompute",
      "reentrant checkpoint recompute runs with the forward's casting state"),

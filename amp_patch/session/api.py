@@ -32,10 +32,12 @@ from .checks import (  # noqa: F401
     _make_scalers,
     _pack,
     as_list,
+    check_cast_engine,
     check_incoming_fp32,
     check_no_nested_models,
     check_no_shared_params,
     check_step_hooks,
+    hybrid_device_types,
 )
 from .scale_loss import check_idle_elsewhere
 from .session import Session
@@ -50,7 +52,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                *, half_dtype=None, op_lists=None, allow_banned=False, growth_factor=2.0, backoff_factor=0.5,
                growth_interval=2000, hysteresis=1, keep_fp32_modules=(), log_all_ranks=False,
                diagnose_overflow=False, history_size=1000, allow_incoming_model_not_fp32=False,
-               master_rounding=None):
+               master_rounding=None, cast_engine="hybrid"):
     """Set up mixed precision for ``models`` and ``optimizers`` (Apex's signature plus keyword-only extras).
 
     Returns the models and optimizers in the structure they were passed (only
@@ -75,6 +77,7 @@ def open_session(call, api):
     check_step_hooks(opt_list)
     _check_models(model_list)
     check_incoming_fp32(model_list, c.allow_incoming_model_not_fp32)
+    check_cast_engine(c.cast_engine)
     props = _resolve(c, api, model_list)
     fsdp_groups, unsharded = distributed.check_fsdp_at_initialize(model_list, props, c.master_weights)
     check_no_nested_models(props, model_list)
@@ -88,7 +91,7 @@ def open_session(call, api):
     session.grad_enabled = torch.is_grad_enabled()  # what undoing a failed (or interrupted) initialize leaves
     session.parallel.fsdp_groups = fsdp_groups
     try:
-        _build(session, model_list, opt_list, scalers, table, c.allow_banned, c.log_all_ranks)
+        _build(session, model_list, opt_list, scalers, table, c.allow_banned, c.log_all_ranks, c.cast_engine)
         session.parallel.unsharded_models = unsharded
         _set_up_diagnostics(session, model_list, c.diagnose_overflow, c.history_size)
         _log_configuration(props, c.verbosity)
@@ -109,7 +112,7 @@ def _resolve(c, api, model_list):
                    fsdp2_sharded=distributed.any_sharded(model_list))
 
 
-def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks):
+def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks, cast_engine="hybrid"):
     """The steps of initialize that change something; each registers its undo before (or as) it acts."""
     session.undo.append(distributed.install_rank_filter(log_all_ranks))
     fp32_data = _prepare_models(session, model_list)
@@ -120,7 +123,8 @@ def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_
     _warn_clipping_model_params(session)
     link_masters(session)
     session.scaling.scalers = scalers
-    _install_casting(session, table, allow_banned)
+    hybrid = hybrid_device_types(model_list) if cast_engine == "hybrid" else ()
+    _install_casting(session, table, allow_banned, hybrid=hybrid)
     _reach_early_bound(session, model_list)
     _attach_scopes(session, model_list)
     _guard_step_pause(session, model_list)
@@ -267,7 +271,7 @@ def _model_rounding(session):
     return lambda param, master: owner[id(param)].to_model(param, master) if id(param) in owner else master
 
 
-def _install_casting(session, table, allow_banned):
+def _install_casting(session, table, allow_banned, hybrid=()):
     props = session.props
     if table is None:
         return
@@ -276,7 +280,8 @@ def _install_casting(session, table, allow_banned):
                  "y" if len(table.skipped) == 1 else "ies", torch.__version__,
                  "; ".join(f"{s.entry.qualname} ({s.entry.path}:{s.entry.line}: {s.reason})" for s in table.skipped))
     engine = session.casting.engine = CastingEngine(table, half_dtype=props.half_dtype, allow_banned=allow_banned,
-                                                    registrations=REGISTRY.take(), activation=_state.ACTIVATION)
+                                                    registrations=REGISTRY.take(), activation=_state.ACTIVATION,
+                                                    hybrid=hybrid)
     session.undo.append(engine.uninstall)
     engine.install()
     session.undo.append(data_loading.install(engine))

@@ -188,3 +188,18 @@ def _check_the_rest(props, history_size, op_lists, models):
         raise ConfigError(f"history_size={history_size!r}; pass a positive number of steps to keep")
     return _load_table(props, op_lists, models)
 
+
+def check_cast_engine(cast_engine):
+    if cast_engine not in CAST_ENGINES:
+        raise ConfigError(f"cast_engine={cast_engine!r}; allowed: 'hybrid' (the default: native autocast casts the "
+                          "ops whose category is native's inside the models' forwards, Python wrappers the rest) or "
+                          "'python' (every op of the list cast by its Python wrapper; see docs/architecture.md)")
+
+
+CAST_ENGINES = ("hybrid", "python")
+
+
+def hybrid_device_types(models):
+    """The device types of the models' params and buffers: where the hybrid engine turns native autocast on."""
+    found = {t.device.type for m in models for t in itertools.chain(m.parameters(), m.buffers())}
+    return tuple(sorted(found)) or (engine_device_type(),)

@@ -262,7 +262,20 @@ def _run_lists(args):
         print(f"{name:<{width}}  {len(table):4d} entries ({_counts_text(table)}){inactive}")
         for line in inactive_report(table):
             print(line)
+        print(_hybrid_split(table))
     return status
+
+
+def _hybrid_split(table):
+    """How the hybrid O1 engine splits ``table`` on this machine's device type (docs/architecture.md)."""
+    from ..casting.interop.native_regions import engine_device_type
+    from ..casting.native_plan import native_keys, off_entries
+
+    devices = (engine_device_type(),)  # (a session uses its models' device type)
+    native = native_keys(table, devices)
+    off = off_entries(table, devices) if native else ()
+    return (f"  hybrid engine ({'/'.join(devices)}): {len(native)} left to native autocast inside forwards, "
+            f"{len(table) - len(native)} cast in Python there, {len(off)} more sites only turn native off")
 
 
 def _print_patch_catalogue():

@@ -25,5 +25,7 @@ def watch(engine):
 
 def _close_in_child():
     for engine in list(_engines):
+        if engine.fast is not None:  # the forking thread's native autocast state was copied into the child
+            engine.fast.clear()
         engine.disabled.close()
     _engines.clear()

@@ -19,7 +19,8 @@ _VF_OF_MODE = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU":
 
 def relax_rnn_input_check(engine):
     """Patch ``RNNBase.check_input`` for the engine's session; returns the undo callable."""
-    wrapped = {p.name for p in engine.patcher.patches if p.target is torch._VF}
+    wrapped = {p.name for p in engine.patcher.patches if p.target is torch._VF
+               and getattr(getattr(p.replacement, "_amp_patch_entry", None), "category", None) != "native_off"}
     modes = {mode for mode, fn in _VF_OF_MODE.items() if fn in wrapped}
     patcher = Patcher()
     if modes:

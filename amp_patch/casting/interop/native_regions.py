@@ -54,6 +54,8 @@ def install(engine, patcher):
             off = not self._enabled
             if not off and sys._getframe(1).f_code is _CUSTOM_BWD:
                 self._enabled = False  # the forward's casting was amp_patch's: replay it, native stays off
+            if engine.fast is not None:  # a fast region's native state is amp_patch's: the region saves the one below
+                engine.fast.suspend()
             result = original(self)
             _push(regions, disabled, self, off)
             return result
@@ -68,12 +70,30 @@ def install(engine, patcher):
                 stack = regions.get(_get_ident())
                 if stack and stack[-1][0] is self:
                     _pop(regions, disabled, stack)
+                    if engine.fast is not None:
+                        engine.fast.sync()
 
         return __exit__
 
     patcher.install(autocast_mode.autocast, "__enter__", make_enter)
     patcher.install(autocast_mode.autocast, "__exit__", make_exit)
     patcher.install(torch, "is_autocast_enabled", lambda original: _answer_custom_fwd(original, engine))
+    if engine.fast is not None:
+        patcher.install(torch._C, "_is_any_autocast_enabled", lambda original: _answer_any(original, engine))
+
+
+def _answer_any(original, engine):
+    """``torch._C._is_any_autocast_enabled`` (RNN input checks ask it) as the Python path answers it: in a fast
+    region, whether native autocast was on before the region turned it on."""
+    def _is_any_autocast_enabled():
+        fast = engine.fast
+        saved = fast.saved.get(_get_ident()) if fast is not None and fast.saved else None
+        if saved is None:
+            return original()
+        return any(enabled for _, enabled, _ in saved)
+
+    _is_any_autocast_enabled.__wrapped__ = original
+    return _is_any_autocast_enabled
 
 
 def _answer_custom_fwd(original, engine):
@@ -83,9 +103,13 @@ def _answer_custom_fwd(original, engine):
 
     def is_autocast_enabled(*args, **kwargs):
         answer = original(*args, **kwargs)
+        device = args[0] if args else kwargs.get("device_type", "cuda")
+        fast = engine.fast
+        if answer and fast is not None and fast.saved and _get_ident() in fast.saved and device in fast.device_types:
+            answer = False  # native is on for a fast region (amp_patch's casting): answer as the Python path does
         if answer or disabled and _get_ident() in disabled:
             return answer  # the cheap tests first: only a False that amp_patch's casting could turn True walks
-        device = args[0] if args else kwargs.get("device_type", "cuda")  # a frame, and only under custom_fwd
+        # a frame, and only under custom_fwd
         return device == device_type and not compiling() and sys._getframe(1).f_code is _CUSTOM_FWD
 
     is_autocast_enabled.__wrapped__ = original

@@ -46,10 +46,11 @@ def _pinned(engine, function):
     whatever engine is active now, or, with none, under a temporary region with the forward's op table.
     """
     depth = engine.disabled.get(threading.get_ident(), 0)
+    fast = engine.fast is not None and engine.fast.here()  # the forward ran in a fast region: so does the recompute
 
     def run(*args, **kwargs):
         if engine.installed:
-            with _depth(engine.disabled, depth), _cache_region(engine):
+            with _depth(engine.disabled, depth), _cache_region(engine), _fast_region(engine, fast):
                 return function(*args, **kwargs)
         activation = engine.activation
         live = activation.active_engine() if activation is not None else None
@@ -81,6 +82,20 @@ def _cache_region(engine):
 
 
 @contextlib.contextmanager
+def _fast_region(engine, fast):
+    """torch restores the forward's native autocast state around the recompute; the hybrid engine's switches
+    follow it (a fast region for a forward that had one), so each op is cast by the same side as in the forward."""
+    if not fast or engine.fast is None:
+        yield
+        return
+    engine.fast.open()
+    try:
+        yield
+    finally:
+        engine.fast.close()
+
+
+@contextlib.contextmanager
 def _depth(disabled, depth):
     ident = threading.get_ident()
     before = disabled.get(ident, 0)
@@ -92,7 +107,4 @@ def _depth(disabled, depth):
 
 
 def _set(disabled, ident, depth):
-    if depth:
-        disabled[ident] = depth
-    else:
-        disabled.pop(ident, None)
+    disabled.set_depth(ident, depth)

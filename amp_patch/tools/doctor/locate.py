@@ -236,7 +236,10 @@ def replay(job, state, batch, *, half_dtype, op_lists, precise=False, intended=N
     model.load_state_dict(state)
     inputs, target = batch[:-1], batch[-1]
     if not precise:
-        frontend.initialize(model, opt_level="O1", half_dtype=half_dtype, op_lists=op_lists, verbosity=0)
+        # the Python engine: the watch attributes each cast to the wrapper that made it (the hybrid engine leaves
+        # matching ops to native autocast inside forwards, bitwise the same, where no wrapper sees the cast)
+        frontend.initialize(model, opt_level="O1", half_dtype=half_dtype, op_lists=op_lists, verbosity=0,
+                            cast_engine="python")
     try:
         limit = math.inf if precise else torch.finfo(half_dtype).max
         stack = []

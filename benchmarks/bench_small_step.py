@@ -1,0 +1,158 @@
+"""Small-model step time and per-call cost: amp_patch O1 (hybrid and Python engines) and O2 vs native autocast.
+
+Usage: python benchmarks/bench_small_step.py [--rounds 7] [--steps 200] [--calls 2000] [--clock thread|wall]
+                                             [--dtype bfloat16|float16] [--op-lists apex] [--width 64] [--batch 32]
+
+Step: a 3-layer MLP (width 64, batch 32), AdamW, 1 thread; every round runs each variant (order rotated) on a
+fresh copy for ``--steps`` steps after 10 warm-up steps; the figure is the median over rounds of each round's
+median step, and the ratios are taken in this run only. Per call: ``F.linear`` 8x8 (Parameter weight) inside a
+forward of the session's model and outside one, vs native ``torch.autocast`` entered once. ``--clock thread``
+(the default) times by the stepping thread's CPU time, which leaves out waits for a core on a shared machine.
+Prints the machine line (CPU flags: without bf16/fp16 instructions the kernels are slow, so read the ratios as
+overhead ratios). Nothing here is asserted in tests.
+"""
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_patch
+
+try:
+    from bench_bf16_hw import machine_line
+except ImportError:  # run from elsewhere
+    from benchmarks.bench_bf16_hw import machine_line
+
+VARIANTS = {"native": None, "O1": dict(opt_level="O1"), "O1 python engine": dict(opt_level="O1", cast_engine="python"),
+            "O2": dict(opt_level="O2")}
+
+
+def _mlp(width=64, batch=32):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                          nn.Linear(width, 10))
+    return model, torch.randn(batch, width), torch.randint(0, 10, (batch,))
+
+
+def _options(variant, args):
+    kwargs = dict(VARIANTS[variant])
+    if args.op_lists and kwargs.get("opt_level") == "O1":
+        kwargs["op_lists"] = args.op_lists
+    return kwargs
+
+
+def _steps(variant, base, x, y, args, clock):
+    model, opt = copy.deepcopy(base), None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    native = VARIANTS[variant] is None
+    if not native:
+        model, opt = amp_patch.initialize(model, opt, half_dtype=args.dtype, verbosity=0, **_options(variant, args))
+    times = []
+    try:
+        for i in range(args.steps + 10):
+            start = clock()
+            opt.zero_grad(set_to_none=True)
+            if native:
+                with torch.autocast("cpu", dtype=args.dtype):
+                    loss = F.cross_entropy(model(x), y)
+                loss.backward()
+            else:
+                loss = F.cross_entropy(model(x), y)
+                with amp_patch.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            opt.step()
+            if i >= 10:
+                times.append(clock() - start)
+    finally:
+        if not native:
+            amp_patch.deinitialize()
+    return statistics.median(times)
+
+
+class _Loop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(1))
+        self.fn, self.calls, self.elapsed, self.clock = None, 0, 0.0, time.perf_counter
+
+    def forward(self):
+        start = self.clock()
+        for _ in range(self.calls):
+            self.fn()
+        self.elapsed = self.clock() - start
+        return self.p
+
+
+def _per_call(variant, args, clock):
+    x, w, b = torch.randn(8, 8), nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8))
+
+    def fn():
+        return F.linear(x, w, b)
+
+    def timed():
+        start = clock()
+        for _ in range(args.calls):
+            fn()
+        return (clock() - start) / args.calls * 1e6
+
+    if VARIANTS[variant] is None:
+        with torch.autocast("cpu", dtype=args.dtype):
+            return timed(), None
+    model = amp_patch.initialize(_Loop(), half_dtype=args.dtype, verbosity=0, **_options(variant, args))
+    try:
+        model.fn, model.calls, model.clock = fn, args.calls, clock
+        model()
+        return model.elapsed / args.calls * 1e6, timed()
+    finally:
+        amp_patch.deinitialize()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--clock", choices=("thread", "wall"), default="thread")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--width", type=int, default=64, help="the MLP's width (512+: a compute-bound step)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--op-lists", default=None, help="op list of the O1 variants (default: initialize's)")
+    args = parser.parse_args(argv)
+    args.dtype = getattr(torch, args.dtype)
+    torch.set_num_threads(1)
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    print(machine_line() + f", clock {args.clock}, {args.rounds} rounds x {args.steps} steps")
+    base, x, y = _mlp(args.width, args.batch)
+    names = list(VARIANTS)
+    steps, calls = {v: [] for v in names}, {v: [] for v in names}
+    for r in range(args.rounds):
+        for variant in names[r % len(names):] + names[:r % len(names)]:
+            steps[variant].append(_steps(variant, base, x, y, args, clock))
+            calls[variant].append(_per_call(variant, args, clock))
+    native = statistics.median(steps["native"])
+    print(f"\n| MLP 3x{args.width}, batch {args.batch}, AdamW | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    print("| step us | " + " | ".join(f"{statistics.median(steps[v]) * 1e6:.0f}" for v in names) + " |")
+    print("| step / native | " + " | ".join(f"{statistics.median(steps[v]) / native:.3f}" for v in names) + " |")
+    print("\n| F.linear 8x8 per call | " + " | ".join(n for n in names if n != "O2") + " |")
+    print("|---|" + "---|" * (len(names) - 1))
+    base_call = [n for n, _ in calls["native"]]
+    for where, index in (("inside a forward", 0), ("outside", 1)):
+        cells = []
+        for v in names:
+            if v == "O2":
+                continue
+            col = base_call if v == "native" else [c[index] for c in calls[v]]
+            ratio = statistics.median(o / n for o, n in zip(col, base_call))
+            cells.append(f"{statistics.median(col):.2f} us ({ratio:.2f}x)")
+        print(f"| {where} | " + " | ".join(cells) + " |")
+    print(f"\nload after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

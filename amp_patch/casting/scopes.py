@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-CATEGORIES = ("half", "float", "promote")
+CATEGORIES = ("half", "float", "promote", "fp8")
 _get_ident = threading.get_ident
 
 

@@ -122,7 +122,7 @@ def fp8_wrapper(original, entry, ctx, finish, half_fallback):
             if found is None:
                 record(None, None)
                 return fallback(*args, **kwargs)
-            record(found[0], quantized(found[1], found[2], found[3]))
+            record(found[0], quantized(found[1], found[2], found[3]), recipe)
             return run(found)
 
     return finish(wrapper, original, entry)

@@ -47,11 +47,11 @@ def quantize(t, fp8_dtype, dim=None, pow2=False):
 
 def quantize_weight(b, recipe):
     """The right operand ``b`` (``[K, N]``) as the forward and the input-gradient matmuls read it:
-    ``(fwd_data, fwd_scale, bwd_data, bwd_scale)`` (tensorwise: one quantization serves both)."""
+    ``(fwd_data, fwd_scale, bwd_data, bwd_scale)`` (tensorwise: one quantization serves both, and the last two
+    are None: dynamo refuses one tensor passed twice to an autograd.Function)."""
     operand, _, pow2 = RECIPES[recipe]
     if recipe == "tensorwise":
-        data, scale = quantize(b, operand)
-        return data, scale, data, scale
+        return quantize(b, operand) + (None, None)
     fwd = quantize(b, operand, 0, pow2)  # one scale per output column: [1, N]
     bwd = quantize(b, operand, -1, pow2)  # one scale per inner row, read transposed by grad_input: [K, 1]
     return fwd + bwd
@@ -92,7 +92,7 @@ def scaled_mm(a, a_scale, b, b_scale, out_dtype, fast_accum):
 
 class ScaledMatmul(torch.autograd.Function):
     """``a @ b`` in float8 with torchao's backward. ``a``: ``[M, K]`` (quantized here); ``b``: ``[K, N]``, whose
-    quantized forms ``qb`` (``quantize_weight``) come from the caller (the cast cache serves a weight's).
+    quantized forms (``quantize_weight``) come from the caller (the cast cache serves a weight's).
 
     Returns ``out_dtype``. The input gradient is ``grad @ b.T``, the weight gradient ``a.T @ grad``, both scaled
     matmuls in the gradient's dtype, as torchao computes them.
@@ -102,6 +102,8 @@ class ScaledMatmul(torch.autograd.Function):
     def forward(ctx, a, b, b_data, b_scale, bt_data, bt_scale, recipe, out_dtype):
         operand, _, pow2 = RECIPES[recipe]
         a_data, a_scale = quantize(a, operand, None if recipe == "tensorwise" else -1, pow2)
+        if bt_data is None:
+            bt_data, bt_scale = b_data, b_scale
         if recipe == "tensorwise":  # the backward's quantization of ``a`` is this one: keep 1 byte per element
             ctx.save_for_backward(a_data, a_scale, bt_data, bt_scale)
         else:

@@ -29,6 +29,8 @@ _get_ident = threading.get_ident
 _compiling = torch.compiler.is_compiling
 _tracing = torch._C._is_tracing
 _no_grad = torch.no_grad
+_mode_enabled = torch._C._is_torch_function_mode_enabled
+_handle = torch.overrides.handle_torch_function
 
 
 def make_weight_quantizer(cache, recipe):
@@ -101,12 +103,22 @@ def fp8_wrapper(original, entry, ctx, finish, half_fallback):
     record = getattr(ctx, "fp8_record", None)
     apply = ScaledMatmul.apply
 
-    def run(found):
-        a, b, param, transposed, bias, lead = found
+    def compute(a, b, param, transposed, bias, lead):
         qb = quantized(b, param, transposed)
         out = apply(a, b, *qb, recipe, half)
         out = out.reshape(*lead, b.shape[1])
         return out if bias is None else torch.ops.aten.add.Tensor(out, to_half(bias))
+
+    def as_one_call(*found):  # what a torch-function mode (the doctor's watch, the trace) sees: the fp8 op, whole
+        return compute(*found)
+
+    as_one_call._amp_patch_entry, as_one_call.__wrapped__ = entry, compute
+    as_one_call.__name__ = f"{entry.name}_fp8"
+
+    def run(found):
+        if not _compiling() and _mode_enabled():
+            return _handle(as_one_call, (found[0], found[1]), *found)
+        return compute(*found)
 
     if record is None:
         def wrapper(*args, **kwargs):

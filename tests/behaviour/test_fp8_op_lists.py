@@ -42,7 +42,7 @@ def test_an_alias_conflict_outside_fp8_is_still_refused():
 
 
 def test_the_recipe_is_inherited_through_extends_and_overridden_by_a_later_layer(tmp_path):
-    base = _write(tmp_path, "base.yaml", """
+    _write(tmp_path, "base.yaml", """
         extends: torch_cpu
         fp8_recipe: rowwise
         add: {fp8: {torch.nn.functional: [linear]}}

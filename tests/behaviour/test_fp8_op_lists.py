@@ -71,7 +71,8 @@ def test_fp8_errors_name_the_file_and_line(tmp_path, text, line, fragment):
 def test_validate_accepts_the_shipped_fp8_lists_and_refuses_a_bad_one(tmp_path, capsys):
     assert cli.main(["validate", "fp8_linear_cpu", "fp8_linear_cuda_rowwise"]) == 0
     out = capsys.readouterr().out
-    assert "fp8_linear_cpu: OK" in out and ", fp8 2," in out
+    assert "fp8_linear_cpu: OK" in out and ", fp8 2 (tensorwise)," in out and ", fp8 2 (rowwise)," in out
+    assert cli.main(["validate", "torch_cpu"]) == 0 and "fp8" not in capsys.readouterr().out
     bad = _write(tmp_path, "bad.yaml", "extends: fp8_linear_cpu\nfp8_recipe: rowise\n")
     assert cli.main(["validate", bad]) == 1
     assert f"{bad}:2: fp8_recipe 'rowise'" in capsys.readouterr().err

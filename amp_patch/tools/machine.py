@@ -32,7 +32,7 @@ class HalfHardware:
     evidence: str
 
     def sentence(self):
-        slower = "bf16" if self.dtype == "float8" else "fp32"
+        slower = "fp32 and than hardware bf16" if self.dtype == "float8" else "fp32"
         where = "on hardware" if self.native else f"in software only (slower than {slower})"
         return f"{self.dtype} runs {where} on this {self.device} ({self.evidence})"
 

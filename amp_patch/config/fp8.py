@@ -12,7 +12,7 @@ silently run another way.
 import dataclasses
 
 from ..errors import OpListError
-from ..patching.patcher import _MISSING, find_site
+from ..patching.patcher import MISSING, find_site
 from ..patching.resolve import resolve_target
 
 RECIPES = ("tensorwise", "rowwise")
@@ -66,4 +66,4 @@ def _function(entry):
         obj = find_site(resolve_target(entry.target), entry.name)[1]
     except (OpListError, ValueError):
         return None
-    return None if obj is _MISSING or not callable(obj) else obj
+    return None if obj is MISSING or not callable(obj) else obj

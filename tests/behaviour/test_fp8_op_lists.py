@@ -210,8 +210,8 @@ def test_the_machine_line_says_whether_float8_runs_on_hardware_when_a_list_uses_
 
     config = SimpleNamespace(device="cpu", half_dtype=torch.bfloat16,
                              op_lists=(("torch_cpu", "torch_cpu"), ("fp8_linear_cpu", "fp8_linear_cpu")))
-    assert machine_line(config).endswith("; float8 runs in software only (slower than fp32 and than hardware bf16) on this CPU "
-                                         "(torch._scaled_mm's CPU kernel is a reference: numerics only)")
+    assert machine_line(config).endswith("; float8 runs in software only (slower than fp32 and than hardware bf16) "
+                                         "on this CPU (torch._scaled_mm's CPU kernel is a reference: numerics only)")
     assert "float8" not in machine_line(SimpleNamespace(device="cpu", half_dtype=torch.bfloat16,
                                                         op_lists=(("torch_cpu", "torch_cpu"),)))
     assert not fp8_hardware("cpu").native

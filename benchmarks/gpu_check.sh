@@ -5,7 +5,7 @@
 # PYTHONPATH. Run from the repo root:
 #   bash benchmarks/gpu_check.sh             # on the GPU machine: CUDA tests, step time fp16/bf16, experiment on CUDA
 #   bash benchmarks/gpu_check.sh --dry-run   # anywhere: CUDA hidden (CUDA tests skip), the same steps, short, on CPU
-# Writes everything under ${OUT:-gpu_out}; each part is capped with `timeout` (7 min 20 s in all, under 8 min).
+# Writes everything under ${OUT:-gpu_out}; each part is capped with `timeout` (7 min 40 s in all, under 8 min).
 # Tests whose pinned test extras (setup.cfg [options.extras_require] test) differ from what is installed are
 # skipped (not run), and listed in $out/skipped_pins.txt. Exit status: the tests' (0 when they pass or skip).
 set -uo pipefail
@@ -21,8 +21,10 @@ cd "$root"
 if [ "$dry" = 1 ]; then
     export CUDA_VISIBLE_DEVICES=
     bench=(--device cpu --quick --case mlp) exp=(--device cpu --steps 5 --rounds 1 --model mlp --variants fp32,O1,native --half-dtype bfloat16)
+    fp8=(--device cpu --steps 6 --rounds 1)
 else
     bench=(--device cuda --rounds 3) exp=(--device cuda --steps 40 --rounds 1 --model all --half-dtype float16)
+    fp8=(--device cuda --steps 30 --rounds 3)
 fi
 
 step() {  # step NAME SECONDS COMMAND...: run one capped part, its output in $out/NAME.txt, one status line here
@@ -84,24 +86,30 @@ echo "gpu_check: pins: $(tr '\n' ';' <"$out/skipped_pins.txt")"
 # The CUDA tests, then the checks that depend on the torch version (op lists, casting, compile, RNNs).
 step tests 150 "$py" -m pytest -q -p no:cacheprovider -rs "${ignore[@]}" tests/integration/test_cuda.py tests/integration/test_torch_versions.py \
     tests/behaviour/test_compile_keeps_casts.py tests/behaviour/test_rnns_in_half.py tests/behaviour/test_loss_scaling_end_to_end.py tests/unit/test_cast_cache_counts.py \
-    tests/oracle/test_torch_list_conformance.py tests/unit/test_casting_rules.py
+    tests/oracle/test_torch_list_conformance.py tests/unit/test_casting_rules.py \
+    tests/integration/test_cuda_fp8.py tests/behaviour/test_fp8_op_lists.py
 tests_rc=$?
 step step_fp16 55 "$py" benchmarks/bench_step_time.py "${bench[@]}" --dtype float16
 step step_bf16 55 "$py" benchmarks/bench_step_time.py "${bench[@]}" --dtype bfloat16
-step experiment 120 "$py" -m amp_patch experiment "${exp[@]}" --no-progress \
+step experiment 100 "$py" -m amp_patch experiment "${exp[@]}" --no-progress \
     --out "$out/experiment"
+# fp8 (F.linear in float8) against bf16 O1 and fp32: loss and step time; torchao's rows only where it imports
+# (not on the GPU machine's image). Float8 kernels need compute capability >= 8.9 (H200: 9.0).
+step fp8 40 "$py" benchmarks/bench_fp8.py "${fp8[@]}"
 
 echo "gpu_check: mode $([ $dry = 1 ] && echo "dry run (CUDA hidden, CPU, short)" || echo "GPU") -> $out"
 tail -n 2 "$out/device.txt" "$out/tests.txt"
 grep -h "^| " "$out/step_fp16.txt" "$out/step_bf16.txt" | head -n 12
 grep -h -A8 "^### " "$out/experiment.txt" | head -n 24
+grep -h "^| \|steps, batch" "$out/fp8.txt" | head -n 9
 if [ "$dry" = 1 ]; then
     cat <<'NOTE'
 gpu_check: this was the dry run. On the GPU machine (no --dry-run) the same steps print: the device line with
   "cuda 13.0 | device NVIDIA H200"; tests.txt with tests/integration/test_cuda.py and the CUDA LSTM/GRU checks run, not
   skipped (about 10 more tests); step_fp16/step_bf16 tables for all three cases on cuda (3 rounds, fp32, native,
   O1, O2 and the cast-count check); the experiment's three tables (mlp, cnn, transformer) in float16 on cuda,
-  with syncs/step measured instead of "n/a (CPU)".
+  with syncs/step measured instead of "n/a (CPU)"; fp8.txt with fp8 (tensorwise, rowwise) vs bf16 O1 step times
+  on cuda (float8 tensor cores) and tests/integration/test_cuda_fp8.py run, not skipped.
 NOTE
 fi
 exit $tests_rc

@@ -37,6 +37,7 @@ class CastingEngine:
         # closed runs uncast
         self.activation = activation
         self.half_dtype = half_dtype
+        self.fp8_recipe = getattr(table, "fp8_recipe", "tensorwise")  # how the fp8 category scales
         self.allow_banned = allow_banned
         self.registrations = tuple(registrations)
         self.forwards = {}  # thread ident -> depth of session-model forwards open there (deinitialize checks it)

@@ -310,8 +310,15 @@ def is_inplace_name(name):
     return name.endswith("_") and not name.startswith("_")
 
 
+def fp8_wrapper(original, entry, ctx):
+    """The ``fp8`` category (amp_patch.casting.fp8): a scaled float8 matmul, the ``half`` wrapper where it cannot."""
+    from .fp8 import fp8_wrapper as build  # fp8 builds on this module's pieces
+    return build(original, entry, ctx, _finish, half_wrapper)
+
+
 FACTORIES = {
     "half": half_wrapper,
+    "fp8": fp8_wrapper,
     "float": float_wrapper,
     "promote": promote_wrapper,
     "sequence_promote": sequence_promote_wrapper,

@@ -16,13 +16,14 @@ import torch
 from ..errors import ConfigError, OpListError
 from ..patching.resolve import resolve_name, resolve_target
 from . import _yaml
+from . import fp8 as _fp8
 from . import scopes as _scopes
 from .aliases import check_aliases
 
 log = logging.getLogger("amp_patch")
 
-CATEGORIES = ("half", "float", "promote", "sequence_promote", "banned")
-_TOP_KEYS = ("description", "schema_version", "extends", "add", "remove", "scopes") + CATEGORIES
+CATEGORIES = ("half", "float", "promote", "sequence_promote", "fp8", "banned")
+_TOP_KEYS = ("description", "schema_version", "extends", "add", "remove", "scopes", "fp8_recipe") + CATEGORIES
 _ENTRY_KEYS = ("name", "optional", "min_torch", "max_torch", "message", "strict", "note")
 DEFAULT_BANNED_MESSAGE = ("{qualname} is banned under amp_patch: it is unsafe in {dtype}. "
                           "Remove it from the op list's 'banned' category, "
@@ -58,8 +59,9 @@ class SkippedEntry:
 class OpTable:
     """An immutable, ordered set of entries keyed by ``(target, name)``."""
 
-    def __init__(self, entries=(), skipped=(), sources=(), scopes=()):
+    def __init__(self, entries=(), skipped=(), sources=(), scopes=(), fp8_recipe=_fp8.DEFAULT_RECIPE):
         self._entries = {(e.target, e.name): e for e in entries}
+        self.fp8_recipe = fp8_recipe  # how the fp8 category scales (amp_patch.config.fp8.RECIPES)
         self.skipped = tuple(skipped)
         self.sources = tuple(sources)
         self.scopes = tuple(scopes)  # scopes.Scope, from the ``scopes:`` sections (see amp_patch.casting.scopes)
@@ -248,7 +250,8 @@ class _Document:
             self._apply_add(entries, doc["add"], doc.key_lines["add"])
         scopes = self._scopes(None if has_categories else base)
         check_aliases(entries.values(), self.path)
-        return OpTable(entries.values(), skipped + self.skipped, sources, scopes)
+        inherited = base.fp8_recipe if base is not None and not has_categories else _fp8.DEFAULT_RECIPE
+        return OpTable(entries.values(), skipped + self.skipped, sources, scopes, _fp8.read_recipe(self, inherited))
 
     def _scopes(self, base):
         inherited = base.scopes if base is not None else ()
@@ -335,6 +338,7 @@ class _Document:
                 self.skipped.append(SkippedEntry(entry, f"optional and absent: {exc}"))
                 return None
             raise self.error(line, str(exc), spec["name"]) from None
+        _fp8.check_entry(self, entry)
         return entry
 
     def _entry_spec(self, category, target, item, line):
@@ -393,7 +397,8 @@ class _Document:
             if category not in CATEGORIES:
                 raise self.error(block.key_lines[category], f"unknown category {category!r} under add; "
                                  f"allowed: {', '.join(CATEGORIES)}", category)
-        for key, entry in self._parse_categories(block):
+        added = dict(self._parse_categories(block))
+        for key, entry in added.items():
             previous = entries.get(key)
             if previous is not None and previous.category == entry.category:
                 raise self.error(entry.line, f"{entry.qualname} is already {entry.category} in the base "
@@ -402,6 +407,7 @@ class _Document:
                 log.debug("%s moves from %s to %s (%s:%s)", entry.qualname, previous.category, entry.category,
                           entry.path, entry.line)
             entries[key] = entry
+            _fp8.move_aliases(entries, entry, previous.category if previous else None, added)
 
 
 def _release(text):

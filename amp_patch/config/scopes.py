@@ -15,7 +15,7 @@ import re
 
 from ._yaml import Map
 
-CATEGORIES = ("half", "float", "promote")
+CATEGORIES = ("half", "float", "promote", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,9 +16,10 @@ from torch.overrides import TorchFunctionMode
 from ..casting.cache import make_to_half
 from ..casting.wrappers import iter_tensors, make_wrapper
 from ..config.dtypes import HALF_DTYPES
+from .fp8_trace import fp8_recorder
 
 _FIELDS = ("qualname", "category", "source", "scope", "module", "calls", "input_dtypes", "output_dtypes", "casts",
-           "cache_hits", "cache_misses")
+           "cache_hits", "cache_misses", "fp8")
 
 
 class Row:
@@ -29,13 +30,15 @@ class Row:
         self.calls = self.casts = self.cache_hits = self.cache_misses = 0
         self.input_dtypes = collections.Counter()
         self.output_dtypes = collections.Counter()
+        self.fp8 = None  # fp8 entries only: amp_patch.observe.fp8_trace.Fp8Counts
 
     def as_dict(self):
         e = self.entry
         return {"qualname": e.qualname, "category": e.category, "source": f"{e.path}:{e.line}",
                 "scope": e.scope or "(global)", "module": self.module, "calls": self.calls,
                 "input_dtypes": _fmt(self.input_dtypes), "output_dtypes": _fmt(self.output_dtypes),
-                "casts": self.casts, "cache_hits": self.cache_hits, "cache_misses": self.cache_misses}
+                "casts": self.casts, "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
+                "fp8": self.fp8.as_text() if self.fp8 is not None else None}
 
 
 def _fmt(counter):
@@ -51,6 +54,8 @@ class _TracedContext:
 
     def __init__(self, engine, tracer):
         self.disabled, self.allow_banned = engine.disabled, engine.allow_banned
+        self.cache, self.half_dtype, self.fp8_recipe = engine.cache, engine.half_dtype, engine.fp8_recipe
+        self.fp8_record = fp8_recorder(tracer)
         base = make_to_half(engine.half_dtype, engine.cache, engine.disabled)
         entries = engine.cache.entries
 

@@ -167,7 +167,9 @@ def _spec_for(arg):
 
 
 def _counts_text(table):
-    return ", ".join(f"{category} {count}" for category, count in table.counts().items())
+    """``half 10, float 20, ...``; fp8 only where the list has some (then with its recipe)."""
+    return ", ".join(f"{category} {count}" + (f" ({table.fp8_recipe})" if category == "fp8" else "")
+                     for category, count in table.counts().items() if count or category != "fp8")
 
 
 def _run_validate(args):

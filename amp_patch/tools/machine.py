@@ -32,7 +32,8 @@ class HalfHardware:
     evidence: str
 
     def sentence(self):
-        where = "on hardware" if self.native else "in software only (slower than fp32)"
+        slower = "fp32 and than hardware bf16" if self.dtype == "float8" else "fp32"
+        where = "on hardware" if self.native else f"in software only (slower than {slower})"
         return f"{self.dtype} runs {where} on this {self.device} ({self.evidence})"
 
 
@@ -66,6 +67,21 @@ def half_hardware(device, dtype, flags=None):
     hits = [flag for flag in CPU_FLAGS[name] if flag in found]
     evidence = f"CPU flags: {', '.join(hits)}" if hits else f"none of {', '.join(CPU_FLAGS[name])} in the CPU flags"
     return HalfHardware("CPU", name, bool(hits), evidence)
+
+
+#: The CUDA compute capability from which torch._scaled_mm runs float8 matmuls on tensor cores (Ada, Hopper).
+FP8_CUDA_CAPABILITY = (8, 9)
+
+
+def fp8_hardware(device):
+    """Read whether the ``fp8`` op-list category's scaled matmuls run on hardware on ``device``: CUDA from compute
+    capability 8.9; a CPU runs torch._scaled_mm as a reference kernel (numerics only, slower than bf16)."""
+    if torch.device(device).type == "cuda":
+        major, minor = torch.cuda.get_device_capability(torch.device(device))
+        need = FP8_CUDA_CAPABILITY
+        return HalfHardware("GPU", "float8", (major, minor) >= need,
+                            f"compute capability {major}.{minor}; float8 tensor cores from {need[0]}.{need[1]}")
+    return HalfHardware("CPU", "float8", False, "torch._scaled_mm's CPU kernel is a reference: numerics only")
 
 
 def describe(device="cpu", threads=None):

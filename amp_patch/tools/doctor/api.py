@@ -165,7 +165,7 @@ def _diagnose(report, job, run, half_dtype, base):
                 "lower max_loss_scale or raise growth_interval.")
         return None
     report.culprits = [c.as_dict() for c in found]
-    report.fixes = [dataclasses.asdict(f) for f in fixes]
+    report.fixes = [f.as_row() for f in fixes]
     if last is None or not last.clean:
         _finish(report, NOT_FIXABLE, "not fixable by op lists: float32 runs the failing batch cleanly, but no "
                 f"op-list change the doctor tried removed the bad values ({_first_culprit_text(found, '')})")
@@ -209,7 +209,7 @@ def _verify(report, job, half_dtype, steps, base, fixes):
 
 def _describe(fix):
     where = f"in {fix.scope!r}" if fix.scope else "everywhere"
-    return f"{fix.target}.{fix.name} in float32 {where}"
+    return f"{fix.target}.{fix.name} in {'float32' if fix.category == 'float' else fix.category} {where}"
 
 
 def _relative(value, reference):

@@ -3,6 +3,7 @@ import dataclasses
 import os
 
 from ...errors import AmpPatchError
+from ...patching.resolve import resolve_target
 from .locate import replay
 
 _MAX_ROUNDS = 8
@@ -10,15 +11,24 @@ _MAX_ROUNDS = 8
 
 @dataclasses.dataclass(frozen=True)
 class Fix:
-    """Run ``target.name`` in float32: inside modules matching ``scope`` (a module path) or, with None, everywhere."""
+    """Run ``target.name`` in ``category`` (float32; ``half`` takes an fp8 op out of float8): inside modules
+    matching ``scope`` (a module path) or, with None, everywhere."""
 
     target: str
     name: str
     scope: str = None
+    category: str = "float"
 
     def describe(self):
         where = f"in scope {self.scope!r}" if self.scope else "globally"
-        return f"{self.target}.{self.name} -> float {where}"
+        return f"{self.target}.{self.name} -> {self.category} {where}"
+
+    def as_row(self):
+        """The report's row (``category`` only where it is not float)."""
+        row = dataclasses.asdict(self)
+        if self.category == "float":
+            del row["category"]
+        return row
 
 
 def op_list_spec(base, fixes):
@@ -27,11 +37,11 @@ def op_list_spec(base, fixes):
     scopes, global_ops = {}, {}
     for fix in fixes:
         if fix.scope:
-            scopes.setdefault(fix.scope, {}).setdefault("float", {}).setdefault(fix.target, []).append(fix.name)
+            scopes.setdefault(fix.scope, {}).setdefault(fix.category, {}).setdefault(fix.target, []).append(fix.name)
         else:
-            global_ops.setdefault(fix.target, []).append(fix.name)
+            global_ops.setdefault(fix.category, {}).setdefault(fix.target, []).append(fix.name)
     if global_ops:
-        spec["add"] = {"float": global_ops}
+        spec["add"] = global_ops
     if scopes:
         spec["scopes"] = scopes
     return spec
@@ -45,23 +55,42 @@ def search(job, failure, *, half_dtype, base, log):
     for _ in range(_MAX_ROUNDS):
         if last is None or last.clean or not last.culprits:
             break
-        culprit = last.culprits[0]
+        culprit = _as_fixed(last.culprits[0], fixes)
         found.append(culprit)
         fix = _next_candidate(culprit, tried)
         if fix is None:
             break
         tried.add(fix)
         log.append(f"try {fix.describe()} (culprit {culprit.qualname} in {culprit.module or 'the model'!r})")
-        trial = _replay(job, failure, half_dtype, base, fixes + [fix])
+        kept = [f for f in fixes if (f.target, f.name, f.scope) != (fix.target, fix.name, fix.scope)]
+        trial = _replay(job, failure, half_dtype, base, kept + [fix])
         if trial is None:
             log.append(f"  {fix.describe()} does not load as an op-list entry; skipped")
             continue
-        fixes.append(fix)
-        narrow[fix] = Fix(culprit.target, culprit.name, culprit.module or None)
+        fixes[:] = kept + [fix]  # a later category for the same op and scope replaces the earlier one
+        narrow[fix] = Fix(culprit.target, culprit.name, culprit.module or None, fix.category)
         last = trial
     if last is None or not last.clean:
         return fixes, found, first, last
     return _minimize(job, failure, half_dtype, base, fixes, log, narrow), found, first, last
+
+
+def _as_fixed(culprit, fixes):
+    """``culprit`` named as the fix already made for its function (``torch._C._nn.linear`` is
+    ``torch.nn.functional.linear``: a replay names one function by either), in that fix's category."""
+    function, path = _function(culprit.target, culprit.name), culprit.module or None
+    for fix in reversed(fixes):
+        covers = fix.scope is None or path is not None and fix.scope in (path, _generalize(path))
+        if function is not None and covers and _function(fix.target, fix.name) is function:
+            return dataclasses.replace(culprit, target=fix.target, name=fix.name, category=fix.category)
+    return culprit
+
+
+def _function(target, name):
+    try:
+        return getattr(resolve_target(target), name, None)
+    except AmpPatchError:
+        return None
 
 
 def _generalize(path):
@@ -70,13 +99,16 @@ def _generalize(path):
 
 
 def _next_candidate(culprit, tried):
-    """The culprit's innermost module in every layer, then that module alone, then everywhere."""
+    """The culprit's innermost module in every layer, then that module alone, then everywhere; an fp8 culprit
+    tries these in half first (out of float8, the smallest step), then in float32."""
     path = culprit.module or None
-    candidates = [Fix(culprit.target, culprit.name, _generalize(path)), Fix(culprit.target, culprit.name, path)] \
-        if path else []
-    for fix in candidates + [Fix(culprit.target, culprit.name)]:
-        if fix not in tried:
-            return fix
+    categories = ("half", "float") if culprit.category == "fp8" else ("float",)
+    for category in categories:
+        candidates = [Fix(culprit.target, culprit.name, _generalize(path), category),
+                      Fix(culprit.target, culprit.name, path, category)] if path else []
+        for fix in candidates + [Fix(culprit.target, culprit.name, None, category)]:
+            if fix not in tried:
+                return fix
     return None
 
 
@@ -113,13 +145,17 @@ def yaml_text(base, fixes, header):
     spec = op_list_spec(base, fixes)
     lines = [f"# {line}" for line in header] + [f"extends: {_quote(spec['extends'])}"]
     if "add" in spec:
-        lines += ["add:", "  float:"]
-        lines += [f"    {target}: [{', '.join(names)}]" for target, names in spec["add"]["float"].items()]
+        lines.append("add:")
+        for category, targets in spec["add"].items():
+            lines.append(f"  {category}:")
+            lines += [f"    {target}: [{', '.join(names)}]" for target, names in targets.items()]
     if "scopes" in spec:
         lines.append("scopes:")
         for glob, overrides in spec["scopes"].items():
-            lines += [f"  {_quote(glob)}:", "    float:"]
-            lines += [f"      {target}: [{', '.join(names)}]" for target, names in overrides["float"].items()]
+            lines.append(f"  {_quote(glob)}:")
+            for category, targets in overrides.items():
+                lines.append(f"    {category}:")
+                lines += [f"      {target}: [{', '.join(names)}]" for target, names in targets.items()]
     return "\n".join(lines) + "\n"
 
 

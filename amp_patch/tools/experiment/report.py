@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from ..machine import describe, half_hardware
+from ..machine import describe, fp8_hardware, half_hardware
+from .fp8_lists import uses_fp8
 from .verdict import LOSS_TOLERANCE, MIN_ROUNDS, ranking, verdict
 
 log = logging.getLogger("amp_patch")
@@ -51,7 +52,10 @@ def machine_line(config):
     """The machine, and whether the half dtype runs on hardware here (the reading of ``tools/machine.py``); the
     runs' thread count is the heading's, not this process's."""
     machine = re.sub(r", \d+ threads?$", "", describe(config.device))
-    return f"{machine}; {half_hardware(config.device, config.half_dtype).sentence()}"
+    line = f"{machine}; {half_hardware(config.device, config.half_dtype).sentence()}"
+    if uses_fp8(spec for _, spec in (getattr(config, "op_lists", None) or ())):
+        line += f"; {fp8_hardware(config.device).sentence()}"
+    return line
 
 
 def _rounds_finished(results, fewest=False):

@@ -48,9 +48,12 @@ from .closure_steps import StepSnapshot
 from .foreign_grads import ForeignGrads
 from .masters import MasterWeights
 from .remainder import Fp32Masters
+from .scaler import LossScaler
 from .stages import DOOMED, READY, SCALED, UNSCALED, NextStepStage, Scaled
 from .state_casts import cast_state_to_params, uncast_state
 from .unscale import unscale_
+
+_UNIT_SCALE = LossScaler(1.0)  # a plain backward's grads carry no scale
 
 
 class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
@@ -279,14 +282,16 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         self._forget_fate()
         self.set_aside, self.own_exit = [], None
 
-    def _check_backward_outside(self):
-        """Master weights: half model grads with no scale_loss pending come from a plain ``loss.backward()``."""
+    def _adopt_backward_outside(self):
+        """Master weights: half model grads with no scale_loss pending come from a plain ``loss.backward()``. They
+        go into the master grads as a ``scale_loss`` at a static scale of 1 would put them (an inf/NaN skips the
+        step, as it would there), with one warning (scaling/unscaled.py)."""
         kept = {id(grad) for _, grad in self.kept_model_grads}
-        if self.pending is None and any(p.grad is not None and id(p.grad) not in kept for p, _ in self.pairs):
-            raise UsageError(f"{type(self.optimizer).__name__}.step(): the half model params have gradients that "
-                             "no amp_patch.scale_loss() block produced (a plain loss.backward()?); under master "
-                             "weights (O2) those never reach the fp32 weights. Run backward inside "
-                             "'with amp_patch.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()'.")
+        if self.pending is not None or not any(p.grad is not None and id(p.grad) not in kept for p, _ in self.pairs):
+            return
+        unscaled.warn_into_masters(self)
+        if self._unscale(_UNIT_SCALE):
+            self.doom()
 
     # -- step hooks -----------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs):
@@ -295,7 +300,7 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         self.claim()
         self.busy[threading.get_ident()] = "optimizer.step()"
         self.check_foreign("optimizer.step()")
-        self._check_backward_outside()
+        self._adopt_backward_outside()
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
         unscaled.check_step(self, closure)
         if self.engine is not None and closure is None:  # a closure runs a forward: keep casting for it

@@ -225,9 +225,9 @@ def _restore_values(session, patch):
 
 def _trains_unscaled(props):
     """The opt level under which a plain backward (scale_loss forgotten) trains without its float16 loss scale, or
-    None: O1, and O2 where the fp32 params are the only weights (see scaling/unscaled.py)."""
+    None: O1, O2 where the fp32 params are the only weights, and O3 (no masters) (see scaling/unscaled.py)."""
     scaled = props.half_dtype is torch.float16 and (props.dynamic or props.loss_scale != 1.0)
-    one_owner = props.opt_level == "O1" or props.master_storage == "model"
+    one_owner = props.opt_level == "O1" or props.master_storage == "model" or not props.master_weights
     return props.opt_level if scaled and one_owner else None
 
 

@@ -41,7 +41,6 @@ import threading
 
 import torch
 
-from ..errors import UsageError
 from ..parallel import ddp as distributed
 from . import unscaled
 from .closure_steps import StepSnapshot

@@ -22,7 +22,7 @@ from ..scaling.optimizer_state import OptimizerState
 from ..scaling.protocol import check_idle_elsewhere
 from ..scaling.remainder import make_storage
 from ..scaling.scaler import load_state_dict_into, state_dict_for
-from . import clip_check, data_loading
+from . import clip_check, data_loading, nested_models
 from . import state as _state
 from .checks import (  # noqa: F401
     _as_list,
@@ -34,7 +34,6 @@ from .checks import (  # noqa: F401
     _check_the_rest,
     _make_scalers,
     _pack,
-    check_no_nested_models,
     check_no_shared_params,
     check_step_hooks,
 )
@@ -74,7 +73,6 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                     loss_scale=loss_scale, cast_model_outputs=cast_model_outputs, master_rounding=master_rounding)
     props, fsdp_groups, unsharded = distributed.check_fsdp_at_initialize(model_list, props, master_weights)
     props = _weight_layout(props)
-    check_no_nested_models(props, model_list)
     # every argument is checked before anything is touched: a ConfigError leaves the models as they were
     _check_optimizers_train_models(props, model_list, opt_list)
     check_no_shared_params(props, opt_list, model_list)
@@ -111,6 +109,7 @@ def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_
     """The steps of initialize that change something; each registers its undo before (or as) it acts."""
     session.undo.append(distributed.install_rank_filter(log_all_ranks))
     fp32_data = _prepare_models(session, model_list)
+    nested_models.install(session, model_list)  # a model passed with its own submodule: Apex's casts
     if not opt_list and session.props.master_weights:  # optimizers attached later (attach_optimizers) get exact
         session.fp32_data = fp32_data  # masters; until then the model's state_dict()/load_state_dict() use these
     _attach_optimizers(session, opt_list, fp32_data)

@@ -63,6 +63,7 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         self.optimizer = optimizer
         self.master_weights = master_weights
         self.unscaled_warning = unscaled_warning  # the opt level where a plain backward trains unscaled
+        self.zero_grads_in_place = False  # Apex's O2 zero_grad (the alias): grads zeroed in place, masters' None
         self.stepping = 0  # inside step() (a closure's scale_loss runs there)
         self.closure_overflow = False  # a closure's backward overflowed: its grads were zeroed
         self.snapshot = None  # inside step(closure): what the step can change, as it began (closure_steps.py)
@@ -274,8 +275,10 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
             if memento is not None:
                 scaler.roll_back(memento)
         self.undo_updates.clear()
-        for model_p, _ in self.pairs:
+        for model_p, master in self.pairs:
             model_p.grad = None
+            if self.zero_grads_in_place:
+                master.grad = None  # (Apex: "clear the master grads that are independent of model grads")
         self.kept_model_grads = []
         self.pending, self.foreign = None, None
         self._forget_fate()

@@ -153,9 +153,12 @@ def _guard_zero_grad(session):
     def make(original):
         @functools.wraps(original)
         def zero_grad(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
             state = session.scaling.opt_states.get(id(self))
-            if state is not None and state.optimizer is self:
+            ours = state is not None and state.optimizer is self
+            if ours and state.zero_grads_in_place:  # Apex's O2 zero_grad (the alias, legacy/amp_stash.py)
+                args, kwargs = (), {"set_to_none": False}
+            result = original(self, *args, **kwargs)
+            if ours:
                 state.on_zero_grad()
                 if session.casting.engine is not None:  # a step() that raised left O1 casting paused in this thread
                     session.casting.engine.resume_after_step()

@@ -143,9 +143,8 @@ def run(amp, program):
 
 
 def run_all(amp, profile, count):
-    if profile == "nested":  # (models passed with their own submodules: apex_nested_programs)
-        import apex_nested_programs
-        return apex_nested_programs.run_all(amp)
+    if profile in ("nested", "zero_grad"):  # (fixed programs: apex_nested_programs, apex_zero_grad_programs)
+        return __import__(f"apex_{profile}_programs").run_all(amp)
     return [run(amp, draw(seed)) for seed in range(count)]
 
 

@@ -90,3 +90,23 @@ def test_a_model_with_its_own_submodule_agrees_bitwise_with_real_apex(tmp_path):
         if diff:
             disagree.append(f"{apex_nested_programs.describe(program)}: {diff}")
     assert not disagree, "\n".join(disagree)
+
+
+def test_o2_steps_no_loss_reached_agree_bitwise_with_real_apex(tmp_path):
+    """Apex's O2 ``zero_grad`` zeroed the fp32 params' grads in place: a step whose loss reaches none of them (or
+    no loss at all) still applies momentum and weight decay to them (BatchNorm kept fp32), bitwise as Apex."""
+    import apex_zero_grad_programs
+
+    out = tmp_path / "zero_grad.pt"
+    apex_real.run_under_real_apex("zero_grad", 0, out)
+    disagree = []
+    for program, theirs in zip(apex_zero_grad_programs.PROGRAMS, torch.load(out, weights_only=False), strict=True):
+        try:
+            ours = apex_zero_grad_programs.run(legacy.amp, program)
+        finally:
+            amp_patch.deinitialize()
+        assert theirs[-1][0] != "raised", theirs[-1]
+        diff = apex_programs.first_difference(theirs, ours)
+        if diff:
+            disagree.append(f"{apex_zero_grad_programs.describe(program)}: {diff}")
+    assert not disagree, "\n".join(disagree)

@@ -216,7 +216,8 @@ def test_inplace_float_op_on_half_raises(gen):
             h.exp_()
 
 
-_TORCH_INPLACE = [e.name for e in amp_patch.load_op_lists("apex").entries if e.target == "torch" and e.name.endswith("_")]
+_TORCH_INPLACE = [e.name for e in amp_patch.load_op_lists("apex").entries
+                  if e.target == "torch" and e.name.endswith("_")]
 
 
 def test_the_list_has_the_inplace_float_functions_torch_has():

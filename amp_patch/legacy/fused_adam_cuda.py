@@ -2,10 +2,11 @@
 pytorch-pretrained-BERT and OpenNMT-py 3.x copied), on torch math.
 
 ``adam(p, p_copy, m, v, g, lr, beta1, beta2, eps, grad_scale, step, mode, bias_correction, decay)`` updates ``p``,
-``m``, ``v`` in place as Apex's kernel did, in the dtype of ``p`` (fp32 in every script): ``g / grad_scale`` into
+``m``, ``v`` in place as Apex's kernel did, in the dtype of ``p`` (half grads need fp32 ``p``, ``m``, ``v``; other
+grads need all four in their dtype; Apex's kernel raised otherwise, and so does this): ``g / grad_scale`` into
 the moments, ``mode`` 0 puts ``eps`` under the square root, 1 outside, the update is ``m / denom + decay * p``
 times ``lr * sqrt(1 - beta2^step) / (1 - beta1^step)`` (just ``lr`` without ``bias_correction``), and ``p_copy``
-(unless empty) gets the new ``p`` in its own dtype (the half model weight). ``adam_mt`` is the multi-tensor form
+(unless empty, and only for half grads, as in Apex) gets the new ``p`` in its own dtype (the half model weight). ``adam_mt`` is the multi-tensor form
 (``[p, m, v, g]`` or ``[p, m, v, g, p_copy]``); ``maybe_adam_undo`` reverts a step where ``overflow_flag`` is set;
 ``strided_check_finite`` sets the flag on inf/NaN; ``maybe_cast`` copies unless the flag is set.
 """
@@ -30,13 +31,19 @@ def _denom(v, eps, mode):
 @torch.no_grad()
 def adam(p, p_copy, m, v, g, lr, beta1, beta2, eps, grad_scale, step, mode, bias_correction, decay):
     """One Adam step on one tensor (see the module docstring); returns None, as the extension did."""
+    half_grad = g.dtype is torch.float16
+    if half_grad and p.dtype is not torch.float32:
+        raise RuntimeError("expected parameter to be of float type")  # (Apex's kernel: half grads, fp32 params)
+    if not half_grad and not p.dtype == m.dtype == v.dtype == g.dtype:
+        raise RuntimeError(f"expected p, m, v and g of one dtype for {g.dtype} grads; got {p.dtype}, {m.dtype}, "
+                           f"{v.dtype}")
     step_size = _step_size(lr, beta1, beta2, step, bias_correction)
     scaled = g.to(p.dtype) / grad_scale
-    m.mul_(beta1).add_(scaled.to(m.dtype), alpha=1 - beta1)
-    v.mul_(beta2).addcmul_(scaled.to(v.dtype), scaled.to(v.dtype), value=1 - beta2)
+    m.mul_(beta1).add_(scaled, alpha=1 - beta1)
+    v.mul_(beta2).addcmul_(scaled, scaled, value=1 - beta2)
     update = m / _denom(v, eps, mode) + decay * p
     p.sub_(step_size * update)
-    if p_copy is not None and p_copy.numel() > 0:
+    if half_grad and p_copy is not None and p_copy.numel() > 0:  # (fp32 grads: Apex wrote no copy)
         p_copy.copy_(p)
 
 

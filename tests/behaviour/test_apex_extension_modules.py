@@ -75,6 +75,18 @@ def test_fused_adam_cuda_adam_as_the_old_fused_adam_called_it(ext, mode):
     assert all(torch.equal(a, b) for x, y in zip(lists, one) for a, b in zip(x, y))
 
 
+def test_fused_adam_cuda_refuses_the_dtypes_apex_s_kernel_refused(ext):
+    fused_adam_cuda = ext("fused_adam_cuda")
+    half = torch.zeros(3, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="expected parameter to be of float type"):
+        fused_adam_cuda.adam(half.clone(), torch.empty(0), half.clone(), half.clone(), half.clone(), 1e-3, 0.9, 0.999,
+                             1e-8, 1.0, 1, 1, 1, 0.0)
+    p, copy = torch.ones(3), torch.zeros(3, dtype=torch.float16)
+    fused_adam_cuda.adam(p, copy, torch.zeros(3), torch.zeros(3), torch.ones(3), 1e-3, 0.9, 0.999, 1e-8, 1.0, 1, 1, 1,
+                         0.0)
+    assert not copy.any()  # (fp32 grads: Apex's kernel wrote no half copy)
+
+
 def test_fused_adam_cuda_undo_and_checks(ext):
     fused_adam_cuda = ext("fused_adam_cuda")
     torch.manual_seed(0)

@@ -6,7 +6,8 @@ pytorch-pretrained-BERT and OpenNMT-py 3.x copied), on torch math.
 grads need all four in their dtype; Apex's kernel raised otherwise, and so does this): ``g / grad_scale`` into
 the moments, ``mode`` 0 puts ``eps`` under the square root, 1 outside, the update is ``m / denom + decay * p``
 times ``lr * sqrt(1 - beta2^step) / (1 - beta1^step)`` (just ``lr`` without ``bias_correction``), and ``p_copy``
-(unless empty, and only for half grads, as in Apex) gets the new ``p`` in its own dtype (the half model weight). ``adam_mt`` is the multi-tensor form
+(unless empty, and only for half grads, as in Apex) gets the new ``p`` in its own dtype (the half model
+weight). ``adam_mt`` is the multi-tensor form
 (``[p, m, v, g]`` or ``[p, m, v, g, p_copy]``); ``maybe_adam_undo`` reverts a step where ``overflow_flag`` is set;
 ``strided_check_finite`` sets the flag on inf/NaN; ``maybe_cast`` copies unless the flag is set.
 """

@@ -70,3 +70,34 @@ def test_load_state_dict_loads_the_loss_scalers_then_refuses_unexpected_keys():
     assert AMP_STATE.loss_scalers[0].loss_scale() == 512.0 and AMP_STATE.loss_scalers[0]._unskipped == 7
     amp.load_state_dict({"loss_scaler0": {"loss_scale": 64.0, "unskipped": 0}})
     assert AMP_STATE.loss_scalers[0].loss_scale() == 64.0
+
+
+def test_autocast_utils_follow_the_open_region_as_apex_s_fused_modules_call_them(alias):
+    from apex._autocast_utils import _cast_if_autocast_enabled, _get_current_dtype
+
+    x = torch.randn(3)
+    assert _cast_if_autocast_enabled(x, (3,), 1e-5)[0] is x and _get_current_dtype() is torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = _cast_if_autocast_enabled(x, (3,), 1e-5)
+        assert cast[0].dtype is torch.bfloat16 and cast[1:] == ((3,), 1e-5)
+        assert _get_current_dtype() is torch.bfloat16
+
+
+def test_fused_adam_has_the_kernel_attributes_subclasses_call(alias):
+    """fairseq's FusedAdamV2 subclasses apex's FusedAdam and calls ``multi_tensor_applier(self.multi_tensor_adam,
+    self._dummy_overflow_buf, [g, p, m, v], ...)`` itself."""
+    from apex.multi_tensor_apply import multi_tensor_applier
+    from apex.optimizers import FusedAdam
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5))
+    p.grad = torch.randn(5)
+    reference = FusedAdam([torch.nn.Parameter(p.detach().clone())], lr=0.1)
+    reference.param_groups[0]["params"][0].grad = p.grad.clone()
+    reference.step()
+    opt = FusedAdam([p], lr=0.1)
+    m, v = torch.zeros(5), torch.zeros(5)
+    multi_tensor_applier(opt.multi_tensor_adam, opt._dummy_overflow_buf, [[p.grad], [p.data], [m], [v]], 0.1, 0.9,
+                         0.999, 1e-8, 1, opt.adam_w_mode, 1, 0.0)
+    assert torch.equal(p.data, reference.param_groups[0]["params"][0].data)
+    assert opt._dummy_overflow_buf.dtype is torch.int32 and opt._dummy_overflow_buf.item() == 0

@@ -13,11 +13,11 @@ import functools
 import logging
 
 from ..errors import UnexpectedKeysError
-from ..scaling import scale_loss
 from ..session import state as _state
 from ..session.api import deinitialize, state_dict
 from ..session.api import initialize as _initialize
 from ..session.api import load_state_dict as _load_state_dict
+from ..session.scale_loss import scale_loss
 from ..session.user_functions import (
     disable_casts,
     float_function,

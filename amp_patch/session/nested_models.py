@@ -20,7 +20,7 @@ torch calls even when the forward raises) and gives the inner models' ``CastOutp
 """
 import threading
 
-from ..model.transform import SessionHook
+from .._torch.hooks import SessionHook
 
 
 def nested_pairs(models):

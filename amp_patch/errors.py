@@ -33,6 +33,10 @@ class JobError(ConfigError):
         self.details = details
 
 
+class UnexpectedKeysError(ConfigError, RuntimeError):
+    """A state dict with keys nothing reads (also a ``RuntimeError``, which Apex's ``amp.load_state_dict`` raised)."""
+
+
 class UsageError(AmpPatchError, RuntimeError):
     """amp_patch used in the wrong order or on the wrong objects."""
 

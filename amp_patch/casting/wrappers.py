@@ -327,8 +327,10 @@ FACTORIES = {
 
 
 def make_wrapper(original, entry, ctx, *, method=False):
-    """Build the wrapper for ``entry`` (in-place Tensor methods get the dtype-keeping variant)."""
-    if method and entry.category != "banned" and is_inplace_name(entry.name):
+    """Build the wrapper for ``entry``. In-place ops (``Tensor.exp_``, and functions such as ``torch.exp_`` whose
+    first argument is the tensor they write) get the dtype-keeping variant: a casting wrapper would run them on a
+    cast copy and silently drop the result. (``method`` is kept for the callers' signature.)"""
+    if entry.category != "banned" and is_inplace_name(entry.name):
         return inplace_wrapper(original, entry, ctx)
     return FACTORIES[entry.category](original, entry, ctx)
 

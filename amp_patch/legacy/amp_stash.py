@@ -7,6 +7,11 @@ session is open, ``torch.optim.Optimizer`` has the two names (a reversible class
 made the masters at ``initialize``); ``_amp_stash`` is a view: ``all_fp16_params`` (the half model params),
 ``all_fp32_from_fp16_params`` (their fp32 masters), ``all_fp32_from_fp32_params`` (the optimizer's fp32 params
 without a master); ``lazy_init_called`` / ``already_patched`` can be set (accepted, nothing to do).
+
+Apex's O2 also replaced each optimizer's ``zero_grad``: the grads of the params it holds were zeroed in place (so
+a step that no loss reached still applied momentum and weight decay to its fp32 params, e.g. BatchNorm's) and
+only the masters' grads were dropped. ``install`` marks the O2 optimizers' states so (``zero_grads_in_place``),
+and the session's ``zero_grad`` guard does the same.
 """
 import torch
 
@@ -67,3 +72,5 @@ def install(session):
     for name, value in added.items():
         if name not in vars(torch.optim.Optimizer):  # (a stacked session's are there already)
             patcher.add(torch.optim.Optimizer, name, value)
+    for state in session.scaling.opt_states.values():
+        state.zero_grads_in_place = bool(state.master_weights)  # Apex's O2 zero_grad (below)

@@ -187,7 +187,11 @@ class PropertiesView:
     def __getattr__(self, name):
         if name in _PROPERTY_NAMES:
             props = self._session.props
-            return getattr(props, name) if props is not None else None
+            if props is None:
+                return None
+            if name == "master_weights" and props.opt_level == "O1" and not props.master_weights:
+                return None  # (Apex's O1 left it unset: None, not False)
+            return getattr(props, name)
         if name.startswith("__"):
             raise AttributeError(name)
         raise attribute_error(f"amp._amp_state.opt_properties.{name}")

@@ -12,24 +12,24 @@ in :mod:`amp_patch.legacy.handle`; ``_amp_state`` is a live view of the session
 import functools
 import logging
 
+from ..errors import UnexpectedKeysError
 from ..session import state as _state
-from ..session.api import deinitialize, load_state_dict, state_dict
+from ..session.api import deinitialize, state_dict
 from ..session.api import initialize as _initialize
+from ..session.api import load_state_dict as _load_state_dict
 from ..session.scale_loss import scale_loss
 from ..session.user_functions import (
     disable_casts,
     float_function,
     half_function,
     promote_function,
-    register_float_function,
-    register_half_function,
-    register_promote_function,
 )
 from . import amp_lists as lists  # noqa: F401 - apex.amp.lists (not star-imported, as in Apex)
 from . import messages, stacking
 from .amp_state import AMP_STATE as _amp_state  # noqa: F401 - apex.amp._amp_state
 from .amp_state import master_params
 from .handle import init
+from .registrations import register_float_function, register_half_function, register_promote_function
 from .unsupported import attribute_error
 
 __all__ = [
@@ -59,6 +59,19 @@ def initialize(*args, **kwargs):
     if session is not None and session.enabled:
         messages.install(session)
     return result
+
+
+def load_state_dict(state_dict):
+    """Apex's ``amp.load_state_dict``: the loss scalers' entries are loaded, then keys that name no loss scaler
+    raise (``UnexpectedKeysError``, a ``RuntimeError`` as Apex's), so a script that catches it keeps the loaded
+    scales, as under Apex. Otherwise amp_patch's (docs/migration.md)."""
+    unexpected = [key for key in state_dict if "loss_scaler" not in str(key)] if isinstance(state_dict, dict) else []
+    if not unexpected:
+        return _load_state_dict(state_dict)
+    _load_state_dict({key: value for key, value in state_dict.items() if key not in unexpected})
+    raise UnexpectedKeysError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
+                              f"{', '.join(repr(k) for k in unexpected)} (the loss scalers' entries were loaded; "
+                              "pass amp.state_dict()'s output, whose keys are 'loss_scaler0', 'loss_scaler1', ...)")
 
 
 def __getattr__(name):

@@ -1,9 +1,9 @@
-"""Where the alias finds the modules it serves as ``apex.<sub>``, ``amp_C``, ``apex_C`` and ``syncbn``.
+"""Where the alias finds the modules it serves as ``apex.<sub>`` and as Apex's compiled extensions (``amp_C``, ...).
 
 amp_patch keeps its implementations of Apex's modules in a tree that mirrors
 Apex's own: ``apex.parallel.distributed`` is ``amp_patch.legacy.apex.parallel.distributed``,
-and the top-level extension modules Apex installed beside ``apex`` are
-``amp_patch.legacy.amp_C`` / ``apex_C`` / ``syncbn``. Whatever exists in that
+and the top-level extension modules Apex installed beside ``apex`` (``TOP_LEVEL``) are
+``amp_patch.legacy.amp_C``, ``apex_C``, ``syncbn``, ``fused_adam_cuda``, .... Whatever exists in that
 tree is provided by the alias; everything else keeps the ``ApexImportError`` path.
 (``apex.amp`` is the exception: it is :mod:`amp_patch.legacy.apex_amp`.)
 Nothing here imports a mirror module except :func:`mirror_spec` for a submodule,
@@ -13,8 +13,11 @@ import importlib.util
 import sys
 
 MIRROR_ROOT = "amp_patch.legacy.apex"
-TOP_LEVEL = {"amp_C": "amp_patch.legacy.amp_C", "apex_C": "amp_patch.legacy.apex_C",
-             "syncbn": "amp_patch.legacy.syncbn"}
+# Apex's compiled extension modules installed beside ``apex`` that public scripts import by name
+_EXTENSIONS = ("amp_C", "apex_C", "syncbn", "fused_adam_cuda", "fused_lamb_cuda", "fused_layer_norm_cuda",
+               "xentropy_cuda", "scaled_softmax_cuda", "scaled_masked_softmax_cuda",
+               "generic_scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda")
+TOP_LEVEL = {name: f"amp_patch.legacy.{name}" for name in _EXTENSIONS}
 
 
 def is_apex_name(name):

@@ -166,10 +166,14 @@ class CastOutputs(ForwardHook):
     """Forward hook: floating outputs to a fixed dtype (``cast_model_outputs``, fp32 by default); ``fp64``: float64
     outputs too (the apex alias, as Apex's ``to_type``)."""
 
+    skip = None  # a model passed with one of its outer models: ``skip()`` is true inside the outer's forward
+
     def __init__(self, dtype, fp64=False):
         self.dtype, self.fp64 = dtype, fp64
 
     def __call__(self, module, args, out):
+        if self.skip is not None and self.skip():
+            return None  # (session/nested_models.py: the outer model's own output cast applies)
         return cast_tree(out, _caster(self.dtype, getattr(self, "fp64", False)))
 
 
@@ -201,6 +205,7 @@ class ModelPatch:
         self.buffers = []
         self.kept = {}  # id(tensor) -> its pre-initialize data, until commit(): a failed initialize restores it
         self.like = WeightSlots()  # where the params cast live: the first gives the model's dtype, as it is now
+        self.output_casts = []  # its CastOutputs hooks (session/nested_models.py)
 
     def cast(self, dtype, keep_types, params=True):
         """Cast params/buffers to ``dtype`` except modules of ``keep_types`` (which stay as they are);
@@ -234,7 +239,8 @@ class ModelPatch:
 
     def cast_outputs(self, output_dtype, fp64=False):
         """Cast the model's floating outputs to ``output_dtype`` (O1's ``cast_model_outputs``)."""
-        self.handles.append(forward_hook(self.model, CastOutputs(output_dtype, fp64)))
+        self.output_casts.append(CastOutputs(output_dtype, fp64))
+        self.handles.append(forward_hook(self.model, self.output_casts[-1]))
 
     def cast_io(self, input_dtype, output_dtype, keep_types, compute_copies=False, fp64=False):
         """Cast floating inputs of the model to its weights' dtype and its outputs to ``output_dtype``.

@@ -40,3 +40,16 @@ class ForgottenScaleLoss:
                     "backward inside 'with amp_patch.scale_loss(loss, optimizer) as scaled_loss: "
                     "scaled_loss.backward()', or use half_dtype=torch.bfloat16 (warned once per optimizer)",
                     type(optimizer).__name__, self.level)
+
+    def warn_into_masters(self, optimizer):
+        """Two-copy O2 (the apex alias; remainder masters): a plain backward's half grads are taken into the fp32
+        master grads at a scale of 1, where Apex's O2 silently dropped them; warned once per optimizer."""
+        if self.warned:
+            return
+        self.warned = True
+        log.warning("%s.step() under O2: the half model params have grads no amp_patch.scale_loss() block produced "
+                    "(a plain loss.backward()?); they are applied to the fp32 master weights as a scale_loss at a "
+                    "static loss scale of 1 would apply them (Apex's O2 silently never applied them): small float16 "
+                    "grads underflow to zero and an inf/NaN skips the step. Run backward inside 'with "
+                    "amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()' for loss scaling "
+                    "(warned once per optimizer)", type(optimizer).__name__)

@@ -46,9 +46,12 @@ from ..weights.masters import TwoCopyMasters
 from .closure_steps import StepSnapshot
 from .foreign_grads import ForeignGrads
 from .forgotten_scale_loss import ForgottenScaleLoss
+from .scaler import LossScaler
 from .stages import DOOMED, READY, SCALED, UNSCALED, NextStepStage, Scaled
 from .state_casts import cast_state_to_params, uncast_state
 from .unscale import unscale_
+
+_UNIT_SCALE = LossScaler(1.0)  # a plain backward's grads carry no scale
 
 
 class OptimizerState(ForeignGrads, NextStepStage):
@@ -62,6 +65,7 @@ class OptimizerState(ForeignGrads, NextStepStage):
         self.optimizer = optimizer
         self.master_weights = master_weights
         self.forgotten = ForgottenScaleLoss(unscaled_warning)  # a plain backward where scale_loss was meant
+        self.zero_grads_in_place = False  # Apex's O2 zero_grad (the alias): grads zeroed in place, masters' None
         self.stepping = 0  # inside step() (a closure's scale_loss runs there)
         self.closure_overflow = False  # a closure's backward overflowed: its grads were zeroed
         self.snapshot = None  # inside step(closure): what the step can change, as it began (closure_steps.py)
@@ -301,12 +305,22 @@ class OptimizerState(ForeignGrads, NextStepStage):
             if memento is not None:
                 scaler.roll_back(memento)
         self.undo_updates.clear()
-        for model_p, _ in self.pairs:
+        for model_p, master in self.pairs:
             model_p.grad = None
+            if self.zero_grads_in_place:
+                master.grad = None  # (Apex: "clear the master grads that are independent of model grads")
         self.kept_model_grads = []
         self.pending, self.foreign = None, None
         self._forget_fate()
         self.set_aside, self.own_exit = [], None
+
+    def _adopt_backward_outside(self):
+        """Two-copy masters: half model grads a plain ``loss.backward()`` left go into the master grads as a
+        ``scale_loss`` at a static scale of 1 would put them (an inf/NaN skips the step, as it would there), with
+        one warning (scaling/forgotten_scale_loss.py)."""
+        self.forgotten.warn_into_masters(self.optimizer)
+        if self._unscale(_UNIT_SCALE):
+            self.doom()
 
     # -- step hooks -----------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs):
@@ -317,8 +331,8 @@ class OptimizerState(ForeignGrads, NextStepStage):
         self.claim()
         self.busy[threading.get_ident()] = "optimizer.step()"
         self.check_foreign("optimizer.step()")
-        if masters is not None:
-            masters.check_backward_outside(self.pending, self.kept_model_grads)
+        if masters is not None and masters.plain_backward_grads(self.pending, self.kept_model_grads):
+            self._adopt_backward_outside()
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
         self.forgotten.check_step(self.optimizer, closure)
         if self.engine is not None and closure is None:  # a closure runs a forward: keep casting for it

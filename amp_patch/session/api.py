@@ -21,7 +21,7 @@ from ..scaling.optimizer_state import OptimizerState
 from ..scaling.scaler import load_state_dict_into, state_dict_for
 from ..weights import clip_check
 from ..weights.storage import make_storage
-from . import data_loading
+from . import data_loading, nested_models
 from . import state as _state
 from .checks import (  # noqa: F401
     _check_enabled,
@@ -34,7 +34,6 @@ from .checks import (  # noqa: F401
     as_list,
     check_cast_engine,
     check_incoming_fp32,
-    check_no_nested_models,
     check_no_shared_params,
     check_step_hooks,
     hybrid_device_types,
@@ -80,7 +79,6 @@ def open_session(call, api):
     check_cast_engine(c.cast_engine)
     props = _resolve(c, api, model_list)
     fsdp_groups, unsharded = distributed.check_fsdp_at_initialize(model_list, props, c.master_weights)
-    check_no_nested_models(props, model_list)
     # every argument is checked before anything is touched: a ConfigError leaves the models as they were
     _check_optimizers_train_models(props, model_list, opt_list)
     check_no_shared_params(props, opt_list, model_list)
@@ -116,6 +114,7 @@ def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_
     """The steps of initialize that change something; each registers its undo before (or as) it acts."""
     session.undo.append(distributed.install_rank_filter(log_all_ranks))
     fp32_data = _prepare_models(session, model_list)
+    nested_models.install(session, model_list)  # a model passed with its own submodule: Apex's casts
     if not opt_list and session.props.two_copy:  # optimizers attached later (attach_optimizers) get exact
         session.fp32_data = fp32_data  # masters; until then the model's state_dict()/load_state_dict() use these
     attach_optimizer_states(session, opt_list, fp32_data)
@@ -160,9 +159,12 @@ def _guard_zero_grad(session):
     def make(original):
         @functools.wraps(original)
         def zero_grad(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
             state = session.scaling.opt_states.get(id(self))
-            if state is not None and state.optimizer is self:
+            ours = state is not None and state.optimizer is self
+            if ours and state.zero_grads_in_place:  # Apex's O2 zero_grad (the alias, legacy/amp_stash.py)
+                args, kwargs = (), {"set_to_none": False}
+            result = original(self, *args, **kwargs)
+            if ours:
                 state.on_zero_grad()
                 if session.casting.engine is not None:  # a step() that raised left O1 casting paused in this thread
                     session.casting.engine.resume_after_step()
@@ -231,9 +233,10 @@ def _restore_values(session, patch):
 
 def _trains_unscaled(props):
     """The opt level under which a plain backward (scale_loss forgotten) trains without its float16 loss scale, or
-    None: O1, and O2 where the fp32 params are the only weights (see scaling/forgotten_scale_loss.py)."""
+    None: O1, O2 where the fp32 params are the only weights, and O3 (no masters) (see
+    scaling/forgotten_scale_loss.py)."""
     scaled = props.half_dtype is torch.float16 and (props.dynamic or props.loss_scale != 1.0)
-    one_owner = props.opt_level == "O1" or props.weight_layout == "one_owner"
+    one_owner = props.opt_level in ("O1", "O3") or props.weight_layout == "one_owner"
     return props.opt_level if scaled and one_owner else None
 
 

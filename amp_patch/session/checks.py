@@ -48,24 +48,6 @@ def _check_optimizers_train_models(props, models, optimizers):
 
 
 
-def check_no_nested_models(props, models):
-    """O2/O3 give each model passed its own input and output casts: a model passed with one of its own
-    submodules would hand the inner one's fp32 outputs to the outer one's half layers."""
-    if props.model_cast not in HALF_DTYPES:
-        return
-    for outer, model in enumerate(models):
-        members = {id(m) for m in model.modules() if m is not model}
-        for inner, other in enumerate(models):
-            if id(other) in members:
-                raise ConfigError(
-                    f"models[{inner}] ({type(other).__name__}) is a submodule of models[{outer}] "
-                    f"({type(model).__name__}); under opt_level={props.opt_level!r} each model passed to initialize "
-                    "gets its own input and output casts, so the inner one's fp32 outputs would reach the outer "
-                    "one's half layers. Allowed: models none of which contains another. Fix: pass only the outer "
-                    f"model (models[{outer}]): its submodules are cast with it (call models[{inner}] on its own "
-                    "with inputs in the half dtype, or through the outer model)")
-
-
 def held_params(opt):
     return [p for g in opt.param_groups for p in g["params"]]
 

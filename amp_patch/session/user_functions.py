@@ -27,14 +27,16 @@ class Registry:
     def __init__(self):
         self._items = {}
 
-    def add(self, owner, name, category, api):
+    def add(self, owner, name, category, api, after_initialize="raise"):
+        """``after_initialize``: what a registration while a session is open does: "raise" (amp_patch's API), or
+        "defer" (Apex's: kept for the next ``initialize``; the open session does not cast it)."""
         if not isinstance(name, str) or not hasattr(owner, name):
             owner_name = getattr(owner, "__name__", repr(owner))
             raise ConfigError(f"{api}({owner_name}, {name!r}): {owner_name} has no attribute {name!r}; pass the "
                               "module or class that defines the function and its exact name")
         if not callable(getattr(owner, name)):
             raise ConfigError(f"{api}: {name!r} is not callable")
-        if _state.current() is not None:
+        if _state.current() is not None and after_initialize == "raise":
             raise UsageError(f"{api} must be called before amp_patch.initialize(); call deinitialize() first or "
                              "move the registration above initialize()")
         qual = getattr(owner, "__name__", type(owner).__name__)

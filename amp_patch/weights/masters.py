@@ -100,14 +100,10 @@ class TwoCopyMasters:
                              "or use master_weights=True")
         return True
 
-    def check_backward_outside(self, pending, kept_model_grads):
-        """Half model grads with no scale_loss pending come from a plain ``loss.backward()``."""
+    def plain_backward_grads(self, pending, kept_model_grads):
+        """Whether half model grads with no scale_loss pending exist (a plain ``loss.backward()``)."""
         kept = {id(grad) for _, grad in kept_model_grads}
-        if pending is None and any(p.grad is not None and id(p.grad) not in kept for p, _ in self.pairs):
-            raise UsageError(f"{type(self.optimizer).__name__}.step(): the half model params have gradients that "
-                             "no amp_patch.scale_loss() block produced (a plain loss.backward()?); under master "
-                             "weights (O2) those never reach the fp32 weights. Run backward inside "
-                             "'with amp_patch.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()'.")
+        return pending is None and any(p.grad is not None and id(p.grad) not in kept for p, _ in self.pairs)
 
     def before_step(self):
         """The step is about to run on the masters (remainder storage joins them into fp32)."""

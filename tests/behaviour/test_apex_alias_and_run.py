@@ -69,11 +69,12 @@ def test_every_import_form_resolves_to_amp_patch():
     from apex.amp import init, load_state_dict, master_params, scale_loss, state_dict
     assert amp is amp_as is apex.amp
     assert scale_loss is amp_patch.scale_loss and master_params is legacy.amp_state.master_params  # Apex's loop
-    assert state_dict is amp_patch.state_dict and load_state_dict is amp_patch.load_state_dict
-    assert amp.initialize is legacy.apex_amp.initialize and init is legacy.handle.init
-    for name in ("register_half_function", "register_float_function", "register_promote_function",
-                 "half_function", "float_function", "promote_function", "disable_casts"):
+    assert state_dict is amp_patch.state_dict and load_state_dict is legacy.apex_amp.load_state_dict  # (Apex's
+    assert amp.initialize is legacy.apex_amp.initialize and init is legacy.handle.init  # unexpected-key order)
+    for name in ("half_function", "float_function", "promote_function", "disable_casts"):
         assert getattr(amp, name) is getattr(amp_patch, name), name
+    for name in ("register_half_function", "register_float_function", "register_promote_function"):
+        assert getattr(amp, name) is getattr(legacy.registrations, name), name  # (Apex's: after initialize too)
     assert legacy.amp.scale_loss is amp.scale_loss  # the one-import-line migration gives the same API
     handle.uninstall()
     assert sys.meta_path == meta_path and _apex_modules() == modules

@@ -257,7 +257,7 @@ def test_amp_state_opt_properties_and_handle_deactivate():
     model, opt = amp_patch.initialize(*_tiny(), opt_level="O1", loss_scale=128.0, verbosity=0)
     props = _amp_state.opt_properties
     assert (props.enabled, props.opt_level, props.loss_scale, props.master_weights, props.cast_model_type,
-            props.patch_torch_functions) == (True, "O1", 128.0, False, None, True)
+            props.patch_torch_functions) == (True, "O1", 128.0, None, None, True)  # (master_weights: Apex's O1 None)
     assert props.options["opt_level"] == "O1" and _amp_state.min_loss_scale is None
     assert _amp_state.max_loss_scale == 2.0 ** 24
     with pytest.raises(amp_patch.UsageError, match="read only"):

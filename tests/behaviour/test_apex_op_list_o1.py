@@ -216,6 +216,30 @@ def test_inplace_float_op_on_half_raises(gen):
             h.exp_()
 
 
+_TORCH_INPLACE = [e.name for e in amp_patch.load_op_lists("apex").entries
+                  if e.target == "torch" and e.name.endswith("_")]
+
+
+def test_the_list_has_the_inplace_float_functions_torch_has():
+    assert sorted(_TORCH_INPLACE) == sorted(
+        n + "_" for n in ("acos asin cosh erfinv exp expm1 log log10 log2 reciprocal rsqrt sinh tan pow cumprod "
+                          "cumsum dist norm prod std sum var renorm").split() if hasattr(torch, n + "_"))
+
+
+@pytest.mark.parametrize("name", _TORCH_INPLACE)
+def test_inplace_float_function_of_the_torch_namespace_on_half_raises_and_fp32_runs_in_place(gen, name):
+    """Apex: "for any in-place version of a blacklist function, error if any input is fp16"; an fp32 tensor is
+    written in place (a casting wrapper would have written a cast copy and dropped the result)."""
+    h, f = randn(gen, 5, dtype=H).abs() / 2, randn(gen, 5).abs() / 2  # (in every op's domain)
+    expected = getattr(torch, name.rstrip("_"))(f)
+    with apex():
+        with pytest.raises(amp_patch.CastError) as info:
+            getattr(torch, name)(h)
+        assert isinstance(info.value, NotImplementedError)
+        assert getattr(torch, name)(f) is f
+    assert torch.equal(f, expected)
+
+
 # ------------------------------------------------------------------------------------------------ banned
 
 def test_binary_cross_entropy_is_banned(gen):

@@ -13,6 +13,7 @@ from tests_support import REPO
 from tests_support import split_params as _split_params
 
 import amp_patch
+from amp_patch.legacy.mirror import TOP_LEVEL
 from amp_patch.observe import trace as tracing
 from amp_patch.tools import cli
 from amp_patch.tools.experiment import VARIANTS, compare
@@ -34,9 +35,8 @@ def _public_modules():
 
 # Modules that re-create another package's API (Apex's modules, its C extensions) keep that package's names and
 # signatures; they are documented in the doc named here (which api.md links), each name there in backticks.
-FOREIGN = {"amp_patch.legacy.apex": "apex_modules.md", "amp_patch.legacy.amp_C": "apex_modules.md",
-           "amp_patch.legacy.apex_C": "apex_modules.md", "amp_patch.legacy.amp_lists": "apex_modules.md",
-           "amp_patch.legacy.syncbn": "apex_modules.md"}
+FOREIGN = {"amp_patch.legacy.apex": "apex_modules.md", "amp_patch.legacy.amp_lists": "apex_modules.md",
+           **{module: "apex_modules.md" for module in TOP_LEVEL.values()}}  # (amp_C, apex_C, syncbn, ...)
 
 
 def _foreign_doc(module):

@@ -1,5 +1,6 @@
 """A plain ``loss.backward()`` under O1 float16 (scale_loss forgotten) trains without loss scaling: amp_patch says
-so once per optimizer (O2 refuses the same mistake); with scale_loss, or with bfloat16, nothing is said."""
+so once per optimizer (O2/O3: tests/behaviour/test_apex_plain_backward_trains.py); with scale_loss, or with
+bfloat16, nothing is said."""
 import logging
 
 import pytest

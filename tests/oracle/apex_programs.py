@@ -143,6 +143,8 @@ def run(amp, program):
 
 
 def run_all(amp, profile, count):
+    if profile in ("nested", "zero_grad"):  # (fixed programs: apex_nested_programs, apex_zero_grad_programs)
+        return __import__(f"apex_{profile}_programs").run_all(amp)
     return [run(amp, draw(seed)) for seed in range(count)]
 
 

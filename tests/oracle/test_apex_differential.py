@@ -64,3 +64,49 @@ def test_the_differential_sees_a_wrong_scaler_rule(real_apex_traces, monkeypatch
              and any(m["inf"] for s in apex_programs.draw(seed)["steps"] for m in s["micro"][:-1])]
     assert seeds, "the profile draws no program with an overflow before a step's last micro-batch"
     assert any(apex_programs.first_difference(real_apex_traces[s], _ours(apex_programs.draw(s))) for s in seeds)
+
+
+def test_a_model_with_its_own_submodule_agrees_bitwise_with_real_apex(tmp_path):
+    """OpenNMT-py's ``amp.initialize([model, model.generator], ...)`` under O2/O3, either order: where real Apex
+    trains, amp_patch's alias gives the same outputs, losses, scales and masters bitwise; where the generator's
+    fp32 outputs (Apex's cast) reached another half layer of the model, Apex raised a dtype mismatch and the
+    alias trains (docs/migration.md)."""
+    import apex_nested_programs
+
+    out = tmp_path / "nested.pt"
+    apex_real.run_under_real_apex("nested", 0, out)
+    theirs_all = torch.load(out, weights_only=False)
+    disagree = []
+    for program, theirs in zip(apex_nested_programs.PROGRAMS, theirs_all, strict=True):
+        try:
+            ours = apex_nested_programs.run(legacy.amp, program)
+        finally:
+            amp_patch.deinitialize()
+        assert ours[-1][0] != "raised", (apex_nested_programs.describe(program), ours[-1])
+        if program["shape"] == "inside_mid":
+            assert theirs[-1][0] == "raised" and "dtype" in theirs[-1][1], theirs[-1]
+            continue
+        diff = apex_programs.first_difference(theirs, ours)
+        if diff:
+            disagree.append(f"{apex_nested_programs.describe(program)}: {diff}")
+    assert not disagree, "\n".join(disagree)
+
+
+def test_o2_steps_no_loss_reached_agree_bitwise_with_real_apex(tmp_path):
+    """Apex's O2 ``zero_grad`` zeroed the fp32 params' grads in place: a step whose loss reaches none of them (or
+    no loss at all) still applies momentum and weight decay to them (BatchNorm kept fp32), bitwise as Apex."""
+    import apex_zero_grad_programs
+
+    out = tmp_path / "zero_grad.pt"
+    apex_real.run_under_real_apex("zero_grad", 0, out)
+    disagree = []
+    for program, theirs in zip(apex_zero_grad_programs.PROGRAMS, torch.load(out, weights_only=False), strict=True):
+        try:
+            ours = apex_zero_grad_programs.run(legacy.amp, program)
+        finally:
+            amp_patch.deinitialize()
+        assert theirs[-1][0] != "raised", theirs[-1]
+        diff = apex_programs.first_difference(theirs, ours)
+        if diff:
+            disagree.append(f"{apex_zero_grad_programs.describe(program)}: {diff}")
+    assert not disagree, "\n".join(disagree)

@@ -4,7 +4,7 @@
 halves (``scale_factor``) on an overflow, floored at 1, and grows after ``scale_window`` iterations without
 one. ``FP16_Optimizer`` does not use these: it runs on amp_patch's own loss scaler.
 """
-import torch
+import math
 
 __all__ = ["LossScaler", "DynamicLossScaler"]
 
@@ -20,6 +20,10 @@ class LossScaler:
         return self.cur_scale
 
     def has_overflow(self, params):
+        return False
+
+    @staticmethod
+    def _has_inf_or_nan(x):
         return False
 
     def update_scale(self, overflow):
@@ -44,7 +48,13 @@ class DynamicLossScaler(LossScaler):
 
     def has_overflow(self, params):
         """True if any param's grad holds inf/NaN."""
-        return any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in params)
+        return any(p.grad is not None and DynamicLossScaler._has_inf_or_nan(p.grad.data) for p in params)
+
+    @staticmethod
+    def _has_inf_or_nan(x):
+        """Apex's test, called on the class by scripts: the fp32 sum of ``x`` is inf or NaN (one host sync)."""
+        total = float(x.float().sum())
+        return math.isinf(total) or math.isnan(total)
 
     def update_scale(self, overflow):
         if overflow:

@@ -1,4 +1,6 @@
 """``apex.optimizers.FusedAdam``: Adam / AdamW with Apex's arguments and state layout, on foreach math."""
+import torch
+
 from ....errors import UsageError
 from ... import amp_C
 from ._base import (
@@ -47,6 +49,8 @@ class FusedAdam(FusedOptimizer):
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, set_grad_none)
         self.adam_w_mode = 1 if adam_w_mode else 0
+        self.multi_tensor_adam = amp_C.multi_tensor_adam  # (Apex's attributes; subclasses such as fairseq's
+        self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int)  # FusedAdamV2 call the kernel with them)
         self.capturable = capturable
         self.master_weights = bool(master_weights or use_master)
         if capturable:

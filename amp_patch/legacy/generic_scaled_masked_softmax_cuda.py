@@ -1,0 +1,14 @@
+"""Stand-in for Apex's ``generic_scaled_masked_softmax_cuda`` extension: ``forward(inputs, mask, scale)`` (``mask`` true
+where an element is left out: -10000 before the softmax), ``backward(output_grads, softmax_results, scale)`` (see
+:mod:`amp_patch.legacy._fused_softmax`)."""
+from ._fused_softmax import softmax, softmax_backward
+
+__all__ = ["forward", "backward"]
+
+
+def forward(inputs, mask, scale):
+    return softmax(inputs, scale, mask=mask)
+
+
+def backward(output_grads, softmax_results, scale):
+    return softmax_backward(output_grads, softmax_results, scale)

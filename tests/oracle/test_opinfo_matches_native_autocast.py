@@ -71,8 +71,8 @@ def test_every_op_first_sample_and_every_sample_of_the_composites():
 
 @pytest.mark.stress
 def test_every_op_every_sample():
-    """By hand: ``pytest -m stress tests/oracle/test_opinfo_matches_native_autocast.py`` (about 6 minutes on
-    two idle cores)."""
+    """By hand: ``pytest -m stress tests/oracle/test_opinfo_matches_native_autocast.py`` (about 90 s of CPU
+    time; 7.5 minutes on the shared 2-core machine under load)."""
     reports = _run(None)
     assert _unexpected(_observed(reports), exact=True) == {}
 

@@ -27,10 +27,9 @@ import time
 import torch
 from torch.nn.modules import module as _module_mod
 
-from ..casting.interop.modules import FAST_PATH_TYPES, forward_pre_hook
+from .._torch.hooks import FAST_PATH_TYPES, SessionHook, forward_pre_hook
 from ..config.dtypes import FLOAT_DTYPES
 from ..errors import UsageError
-from .transform import SessionHook
 
 #: How long a call from a second thread waits for another thread's call of an O2 model to end, polling.
 THREAD_WAIT_S, POLL_S = 60.0, 0.0005

@@ -236,6 +236,39 @@ def test_every_registered_autocast_op_is_listed(list_name, dispatch_key):
     assert not missing, f"{list_name} lacks the aten ops {missing}"
 
 
+
+# Python names of entries that differ from their aten op's (the other direction of _candidate_entries)
+_ENTRY_OPS = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow", "__rpow__": "pow"}
+_TARGET_PREFIXES = {"torch.linalg": "linalg_", "torch.fft": "fft_", "torch.special": "special_"}
+
+
+def _entries_without_note(list_name):
+    """``(category, target, name)`` of every entry of a shipped list that has no ``note`` (read as data)."""
+    import yaml
+
+    from amp_patch.config.oplist import _shipped_dir
+
+    doc = yaml.safe_load((_shipped_dir() / f"{list_name}.yaml").read_text())
+    for category in ("half", "float", "promote", "sequence_promote", "banned"):
+        for target, entries in (doc.get(category) or {}).items():
+            for entry in entries:
+                if isinstance(entry, str) or "note" not in entry:
+                    yield category, target, entry if isinstance(entry, str) else entry["name"]
+
+
+def _aten_name(target, name):
+    prefix = _TARGET_PREFIXES.get(target, "")
+    return _ENTRY_OPS.get(name, name if name.startswith(prefix) else prefix + name)
+
+
+@pytest.mark.parametrize("list_name, dispatch_key", [("torch_cpu", "AutocastCPU"), ("torch_cuda", "AutocastCUDA")])
+def test_every_entry_without_a_note_is_a_registered_autocast_op(list_name, dispatch_key):
+    """The other direction: an entry stands for an op of native's policy, or its ``note`` says why it is there
+    (an alias, a C++ composite native casts inside, an entry point torch calls from C++)."""
+    policy = _policy_ops(dispatch_key)
+    extra = sorted((c, t, n) for c, t, n in _entries_without_note(list_name) if _aten_name(t, n) not in policy)
+    assert not extra, f"{list_name} lists ops native autocast does not register, without a note: {extra}"
+
 def _entry_point_cases():
     g = torch.Generator().manual_seed(0)
 

@@ -63,7 +63,8 @@ def _lm_batch(vocab, batch=2, seq=8, labels=True):
 
 def _hf(model, attn, checkpointing):
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        kwargs = {"use_reentrant": checkpointing == "reentrant"}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
     return model
 
@@ -112,7 +113,8 @@ def vit(attn="eager", checkpointing=None):
     model = _hf(t.ViTForImageClassification(cfg), attn, checkpointing)
 
     def make(g):
-        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=g), "labels": torch.randint(0, 5, (2,), generator=g)}
+        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=g),
+                "labels": torch.randint(0, 5, (2,), generator=g)}
     return Case(model, make, _hf_loss)
 
 
@@ -394,7 +396,7 @@ def _cast_buffers(model, half):
     for module in model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             continue
-        for name, b in module._buffers.items():
+        for b in module._buffers.values():
             if b is not None and b.is_floating_point() and b.dtype is not torch.float64:
                 b.data = b.data.to(half)
 

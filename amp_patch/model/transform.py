@@ -11,10 +11,13 @@ The hooks are objects of the classes below, so a model can be pickled (``torch.s
 its state_dict hooks become inert (its ``state_dict()`` is its own tensors, in their current dtypes) while its
 input/output casts keep following its own weights (see :class:`CastInputs`).
 """
+import threading
+import types
+
 import torch
 from torch.nn.modules import module as _module_mod
 
-from ..casting.interop.modules import forward_hook, forward_pre_hook
+from ..casting.interop.modules import FAST_PATH_TYPES, forward_hook, forward_pre_hook
 from ..casting.wrappers import cast_tree
 from ..config.dtypes import FLOAT_DTYPES, HALF_DTYPES
 from ..errors import UsageError
@@ -183,12 +186,14 @@ class CastInputs(ForwardHook):
         self.fp64 = fp64  # the apex alias: float64 inputs are cast too (Apex's to_type)
         self.checked = watch.generation
 
-    def __call__(self, module, args, kwargs):
+    def __call__(self, module, args, kwargs=None):
         dtype = self.like.dtype(self.dtype)
         self.like.check(module, dtype)
         if self.watch.generation != self.checked:
             _check_dtypes(module, dtype, self.keep_types)
             self.checked = self.watch.generation
+        if kwargs is None:  # (torch calls a hook removed during this call, by deinitialize, without them)
+            return _cast_once(args, {}, dtype, getattr(self, "fp64", False))[0]
         return _cast_once(args, kwargs, dtype, getattr(self, "fp64", False))
 
 
@@ -208,14 +213,57 @@ def _check_dtypes(model, dtype, keep_types):
 
 
 class CastOutputs(ForwardHook):
-    """Forward hook: floating outputs to a fixed dtype (``cast_model_outputs``, fp32 by default); ``fp64``: float64
-    outputs too (the apex alias, as Apex's ``to_type``)."""
+    """Forward hook (``always_call``): floating outputs to a fixed dtype (``cast_model_outputs``, fp32 by default);
+    ``fp64``: float64 outputs too (the apex alias, as Apex's ``to_type``). Only the outermost call of the model in
+    a thread casts (its pre-hook :class:`EnterCall` counts): a recursive forward (``self(h, depth - 1)``) feeds the
+    inner call's output to the outer call's half weights. The items a generator forward yields are cast."""
 
     def __init__(self, dtype, fp64=False):
         self.dtype, self.fp64 = dtype, fp64
+        self.depths = {}  # thread ident -> calls of the model in progress
+
+    def __getstate__(self):  # (a copy of the model is not inside this model's calls)
+        return {**self.__dict__, "depths": {}}
+
+    def entered(self):
+        if not torch.compiler.is_compiling():
+            depths, ident = self.depths, threading.get_ident()
+            depths[ident] = depths.get(ident, 0) + 1
 
     def __call__(self, module, args, out):
-        return cast_tree(out, _caster(self.dtype, getattr(self, "fp64", False)))
+        depths = getattr(self, "depths", None)
+        if depths is not None and not torch.compiler.is_compiling():
+            ident = threading.get_ident()
+            depth = depths.pop(ident, 0)
+            if depth > 1:
+                depths[ident] = depth - 1
+                return None
+        cast = _caster(self.dtype, getattr(self, "fp64", False))
+        if isinstance(out, types.GeneratorType):
+            return _cast_items(out, cast)
+        return cast_tree(out, cast)
+
+
+def _cast_items(generator, cast):
+    try:
+        while True:
+            try:
+                item = next(generator)
+            except StopIteration as stop:
+                return stop.value
+            yield cast_tree(item, cast)
+    finally:
+        generator.close()
+
+
+class EnterCall(ForwardHook):
+    """Forward pre-hook of a model whose outputs are cast: a call starts (:meth:`CastOutputs.entered`)."""
+
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+    def __call__(self, module, args):
+        self.outputs.entered()
 
 
 class CastArgsTo(ForwardHook):
@@ -345,8 +393,14 @@ class ModelPatch:
         self.kept = {k: v for k, v in self.kept.items() if k in buffer_ids}
 
     def cast_outputs(self, output_dtype, fp64=False):
-        """Cast the model's floating outputs to ``output_dtype`` (O1's ``cast_model_outputs``)."""
-        self.handles.append(forward_hook(self.model, CastOutputs(output_dtype, fp64)))
+        """Cast the model's floating outputs to ``output_dtype`` (O1's ``cast_model_outputs``) at its outermost
+        call in a thread."""
+        outputs = CastOutputs(output_dtype, fp64)
+        if isinstance(self.model, FAST_PATH_TYPES):
+            self.handles.append(forward_pre_hook(self.model, EnterCall(outputs)))
+        else:
+            self.handles.append(self.model.register_forward_pre_hook(EnterCall(outputs), prepend=True))
+        self.handles.append(forward_hook(self.model, outputs, always_call=True))
 
     def cast_io(self, input_dtype, output_dtype, keep_types, compute_copies=None, fp64=False):
         """Cast floating inputs of the model to its weights' dtype and its outputs to ``output_dtype``.

@@ -10,8 +10,9 @@ from ..casting.interop import modules as module_compat
 from ..config.dtypes import HALF_DTYPES
 from ..config.opt_levels import resolve
 from ..errors import ConfigError
+from ..model import recompute_copies
 from ..model.compile_guards import HookGuards
-from ..model.compute_copies import ComputeCopies
+from ..model.compute_copies import ComputeCopies, check_no_calls_elsewhere
 from ..model.transform import CallOnForward, ModelPatch, SparseEmbedding
 from ..observe.overflow import OverflowDiagnoser, StepHistory
 from ..observe.trace import Tracer
@@ -195,6 +196,9 @@ def _prepare_models(session, models):
         guards = HookGuards()
         session.undo.append(guards.restore)  # first: an interrupt inside install leaves nothing behind
         guards.install()
+        recompute = Patcher()
+        session.undo.append(recompute.restore_all)
+        recompute_copies.install(recompute)
     for model in models:
         patch = ModelPatch(model)
         session.casting.model_patches.append(patch)
@@ -358,6 +362,7 @@ def deinitialize():
     if session is None:
         return  # an open autocast() region (no session) keeps its engine: it removes its own patches on exit
     check_idle_elsewhere(session)
+    check_no_calls_elsewhere()
     closed = False
     try:
         _state.deactivate()

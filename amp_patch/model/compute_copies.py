@@ -98,6 +98,8 @@ class ComputeCopies:
         self.calls = {}  # thread ident -> depth of its call in progress
         self.live = False
         self.overlaid = {}  # id(module) -> module given a ThreadParams
+        self.members = set()  # ids of the model's modules (conversion_guard)
+        self.adopt = None  # adopt(module, name, buffer): a float buffer registered after initialize gets cast
         self.handles = []
 
     def attach(self):
@@ -147,10 +149,25 @@ class ComputeCopies:
                     slots.append((module, name))
         self.slots[:] = slots
         if not torch.compiler.is_compiling():
+            self.members = {id(m) for m in self.model.modules()}
             for module, _ in slots:
                 if thread_params.install(module):
                     self.overlaid[id(module)] = module
+            self._adopt_buffers()
         self.generation = self.watch.generation
+
+    def _adopt_buffers(self):
+        """Float buffers registered since initialize (``spectral_norm`` applied later) get what initialize gave
+        the others: the half dtype (kept-fp32 modules keep theirs)."""
+        if self.adopt is None:
+            return
+        for module in self.model.modules():
+            if self.keep_types and isinstance(module, self.keep_types):
+                continue
+            for name, buffer in module._buffers.items():
+                if (buffer is not None and buffer.dtype in FLOAT_DTYPES and buffer.dtype is not self.dtype
+                        and buffer.dtype is not torch.float64):
+                    self.adopt(module, name, buffer)
 
     def _state(self):
         return self.traced if torch.compiler.is_compiling() else self.call
@@ -269,7 +286,8 @@ class ComputeCopies:
                     del overlay[name]
             elif dict.get(params, name) is copy:
                 dict.__setitem__(params, name, param)
-            if version is not None and copy._version != version and id(param) not in written:
+            edited = copy._version != version if version is not None else _renorms(module)
+            if edited and id(param) not in written:
                 written.add(id(param))
                 _write_back(param, copy)
             touched.add(module)
@@ -388,6 +406,12 @@ def _cast(param, dtype, inference):
         return param.to(dtype)
     with torch.inference_mode(False), torch.no_grad():
         return param.to(dtype)
+
+
+def _renorms(module):
+    """Under dynamo (no version counters): the one torch module that edits its weight in place in its forward,
+    an embedding with ``max_norm``, is written back by value."""
+    return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.max_norm is not None
 
 
 def _write_back(param, copy):

@@ -125,6 +125,7 @@ class RegistrationWatch:
     def install(self):
         self.handles.append(_module_mod.register_module_module_registration_hook(self._bump))
         self.handles.append(_module_mod.register_module_parameter_registration_hook(self._bump))
+        self.handles.append(_module_mod.register_module_buffer_registration_hook(self._bump))
         return self
 
     def remove(self):
@@ -133,7 +134,8 @@ class RegistrationWatch:
             self.handles[-1].remove()
             self.handles.pop()
         for hooks in (_module_mod._global_module_registration_hooks,
-                      _module_mod._global_parameter_registration_hooks):
+                      _module_mod._global_parameter_registration_hooks,
+                      _module_mod._global_buffer_registration_hooks):
             for key in [key for key, hook in hooks.items() if hook == self._bump]:
                 del hooks[key]
 
@@ -386,6 +388,13 @@ class ModelPatch:
                 t.data = t.data.to(dtype)
         return old_data
 
+    def _adopt_buffer(self, module, name, buffer, dtype):
+        """A float buffer registered after initialize is cast as initialize cast the others (and restored)."""
+        if id(buffer) not in self.kept:
+            self.kept[id(buffer)] = buffer.data
+            self.buffers.append((module, name, buffer, buffer.dtype))
+        buffer.data = buffer.data.to(dtype)
+
     def commit(self):
         """initialize succeeded: stop holding the params' pre-initialize data (the masters hold what O2 needs).
         Buffers keep theirs (they are small): one the session never changed gets its exact fp32 value back."""
@@ -412,6 +421,7 @@ class ModelPatch:
         watch.install()
         if compute_copies is not None:
             copies = compute_copies(self.model, input_dtype, keep_types, watch, self.like.slots)
+            copies.adopt = lambda module, name, buffer: self._adopt_buffer(module, name, buffer, input_dtype)
             self.handles.append(copies)
             copies.attach()
         self.handles.append(forward_pre_hook(self.model, CastInputs(self.like, input_dtype, keep_types, watch, fp64),
@@ -437,15 +447,9 @@ class ModelPatch:
         master)``, if given, is the half value the model param then gets (else torch's cast of the loaded one)."""
         if not self.original_dtypes and not self.buffers:
             return
-        params, buffers = _names_by_id(self.model)
-        restored = []  # (name, original dtype, master or None, param or None)
-        for pid, (param, dtype) in self.original_dtypes.items():
-            restored += [(name, dtype, masters.get(pid), param) for name in params.get(pid, ())]
-        for module, name, _, dtype in self.buffers:
-            restored += [(path + name, dtype, None, None) for path in buffers.get(id(module), ())]
-        for module, own in self._restored_per_module(masters):
-            self.handles.append(module.register_state_dict_post_hook(StateDictHook(own, to_model)))
-        self.handles.append(self.model.register_load_state_dict_pre_hook(LoadMastersHook(restored, to_model)))
+        for module, own in self._restored_per_module(masters):  # (a submodule's own load also reaches the
+            self.handles.append(module.register_state_dict_post_hook(StateDictHook(own, to_model)))  # masters)
+            self.handles.append(module.register_load_state_dict_pre_hook(LoadMastersHook(own, to_model)))
 
     def _restored_per_module(self, masters):
         """``(module, its own entries)`` for every module holding something amp_patch cast: each module's
@@ -485,12 +489,3 @@ class ModelPatch:
         self.buffers.clear()
         self.kept = {}
 
-
-def _names_by_id(model):
-    """``{id(param): [every name]}`` and ``{id(module): [every "path." prefix]}``, duplicates (ties) kept."""
-    params, modules = {}, {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        params.setdefault(id(param), []).append(name)
-    for path, module in model.named_modules(remove_duplicate=False):
-        modules.setdefault(id(module), []).append(path + "." if path else "")
-    return params, modules

@@ -27,6 +27,8 @@ CATALOGUE = (
      "O2: a reentrant checkpoint's recompute re-enters the model call its forward ran in (its compute copies)"),
     ("torch.utils.checkpoint._checkpoint_without_reentrant_generator(_impl)", "model.recompute_copies",
      "O2: a non-reentrant checkpoint's recompute re-enters the model call its forward ran in"),
+    ("torch.nn.modules.module.Module._apply", "model.conversion_guard",
+     "O2 (fp32 params, half compute copies): model.half()/.to(half) of an O2 model is refused (it would train half)"),
     ("torch.amp.autocast_mode.autocast.__enter__", "casting.interop.native_regions",
      "torch.autocast(enabled=False) regions turn amp_patch's casting off too"),
     ("torch.amp.autocast_mode.autocast.__exit__", "casting.interop.native_regions", "(the region's end)"),

@@ -330,14 +330,20 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         if self.engine is not None:
             self.engine.resume_after_step()
         self.stepping = max(self.stepping - 1, 0)
+        incomplete = None
         if self.closure_overflow:  # (the scaler backed off already; the next step is not skipped for it)
             if self.snapshot is not None:  # (None: a scale_loss inside another optimizer's step without a closure)
-                self.snapshot.restore()
-            self.last_skipped, self.next_step, self.closure_overflow = True, READY, False
+                try:
+                    self.snapshot.restore()
+                except UsageError as exc:  # an attribute it could not copy: raised once the step is finished
+                    incomplete = exc
+            self.last_skipped, self.next_step, self.closure_overflow = incomplete is None, READY, False
         self.snapshot = None
         self.storage.after_step(self.pairs, self.last_skipped)
         self._clear_master_grads()
         self.masters_stale = bool(self.pairs)
+        if incomplete is not None:
+            raise incomplete
 
     # -- teardown -------------------------------------------------------------------------------
     def restore(self):

@@ -10,7 +10,7 @@ from ..casting.interop import modules as module_compat
 from ..config.dtypes import HALF_DTYPES
 from ..config.opt_levels import resolve
 from ..errors import ConfigError
-from ..model import recompute_copies
+from ..model import conversion_guard, recompute_copies
 from ..model.compile_guards import HookGuards
 from ..model.compute_copies import ComputeCopies, check_no_calls_elsewhere
 from ..model.transform import CallOnForward, ModelPatch, SparseEmbedding
@@ -35,6 +35,7 @@ from .checks import (  # noqa: F401
     _check_the_rest,
     _make_scalers,
     _pack,
+    check_no_inner_optimizers,
     check_no_nested_models,
     check_no_shared_params,
     check_step_hooks,
@@ -79,6 +80,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     # every argument is checked before anything is touched: a ConfigError leaves the models as they were
     _check_optimizers_train_models(props, model_list, opt_list)
     check_no_shared_params(props, opt_list, model_list)
+    check_no_inner_optimizers(props, opt_list)
     scalers = _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor, backoff_factor,
                             growth_interval, hysteresis)
     table = _check_the_rest(props, history_size, op_lists, model_list)
@@ -199,6 +201,7 @@ def _prepare_models(session, models):
         recompute = Patcher()
         session.undo.append(recompute.restore_all)
         recompute_copies.install(recompute)
+        conversion_guard.install(recompute)
     for model in models:
         patch = ModelPatch(model)
         session.casting.model_patches.append(patch)

@@ -16,7 +16,7 @@ from ..parallel import ddp as distributed
 from ..scaling.protocol import _finish_step, _quiet
 from ..scaling.stages import DOOMED
 from .api import _as_list, _attach_optimizers, _link_masters
-from .checks import _held, check_no_shared_params, check_step_hooks
+from .checks import _held, check_no_inner_optimizers, check_no_shared_params, check_step_hooks
 from .state import current_session
 
 
@@ -42,6 +42,7 @@ def attach_optimizers(optimizers, *, unscale_loss_id=None):
     attached = [(state.optimizer, [p for pair in state.pairs for p in pair] + _held(state.optimizer))
                 for state in session.scaling.opt_states.values()]
     check_no_shared_params(session.props, opt_list, session.models, attached)
+    check_no_inner_optimizers(session.props, opt_list)
     _follow_devices(session.fp32_data, opt_list)
     _attach_optimizers(session, opt_list, session.fp32_data)
     states = [session.scaling.state_for(opt) for opt in opt_list]

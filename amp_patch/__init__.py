@@ -18,9 +18,7 @@ from .errors import (
     TorchVersionError,
     UsageError,
 )
-from .observe.trace import trace
 from .parallel.fsdp2 import fully_shard
-from .scaling import scale_loss
 from .session.api import (
     clear_cache,
     deinitialize,
@@ -35,6 +33,8 @@ from .session.api import (
 )
 from .session.framework_hooks import attach_optimizers, next_step_skipped
 from .session.regions import autocast
+from .session.scale_loss import scale_loss
+from .session.tracing import trace
 from .session.user_functions import (
     disable_casts,
     float_function,

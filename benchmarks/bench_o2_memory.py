@@ -22,7 +22,6 @@ interleaved round by round on fresh models; and of ``optimizer.step()`` from aft
 remainder / fp32-master O2 <= 1.10 for the whole step. Nothing is asserted.
 """
 import argparse
-import contextlib
 import statistics
 import time
 
@@ -30,7 +29,7 @@ import torch
 from torch import nn
 
 import amp_patch
-from amp_patch.session.state import in_two_copy_layout
+from amp_patch.legacy.stacking import open_apex_session
 
 VARIANTS = ("fp32", "O2", "O2-two-copy", "O2-remainder")  # O2-two-copy: the apex alias's layout (masters apart)
 OPTIMIZERS = {"sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
@@ -50,10 +49,11 @@ def setup(variant, opt_name, width, layers):
     opt = OPTIMIZERS[opt_name](model.parameters())
     if variant != "fp32":
         masters = "remainder" if variant == "O2-remainder" else True
-        layout = in_two_copy_layout() if variant == "O2-two-copy" else contextlib.nullcontext()
-        with layout:
-            model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
-                                              master_weights=masters, verbosity=0)
+        options = dict(opt_level="O2", half_dtype=torch.bfloat16, master_weights=masters, verbosity=0)
+        if variant == "O2-two-copy":  # the layout the apex alias keeps (Apex's rules: Properties.api == "apex")
+            model, opt = open_apex_session(model, opt, options)
+        else:
+            model, opt = amp_patch.initialize(model, opt, **options)
     return model, opt
 
 

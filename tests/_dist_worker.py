@@ -26,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import amp_patch
-from amp_patch.parallel import ddp as amp_dist
+import amp_patch.distributed as amp_dist
+from amp_patch._torch import dist as torch_dist
 
 HALF = torch.float16
 #: ddp_levels and its single-process twin start at this scale: under DDP each rank backpropagates the full loss
@@ -188,12 +189,12 @@ def consistency(rank, world, levels=("O1", "O2"), control_levels=("O1", "O2")):
     """Train through CONSISTENCY_PLAN under DDP per level; then again with the overflow flag *not* agreed
     across ranks (control: shows which iteration depends on agree_overflow)."""
     results = {level: _consistency_run(rank, level) for level in levels}
-    agree = amp_dist.agree_overflow
-    amp_dist.agree_overflow = lambda found_inf, device=None: found_inf
+    agree = torch_dist.agree_overflow
+    torch_dist.agree_overflow = lambda found_inf, device=None: found_inf
     try:
         results["control"] = {level: _consistency_run(rank, level) for level in control_levels}
     finally:
-        amp_dist.agree_overflow = agree
+        torch_dist.agree_overflow = agree
     return results
 
 
@@ -299,12 +300,11 @@ def master_warning(rank, world):
     no second copy to go stale.)"""
     import warnings
 
-    from amp_patch.session.state import in_two_copy_layout
+    from amp_patch.legacy.stacking import open_apex_session
 
     model = make_model(seed=rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with in_two_copy_layout():
-        model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=HALF, verbosity=0)
+    model, opt = open_apex_session(model, opt, dict(opt_level="O2", half_dtype=HALF, verbosity=0))
     try:
         ddp = DDP(model)
         with torch.no_grad():

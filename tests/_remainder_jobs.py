@@ -117,9 +117,9 @@ def ddp_modes(rank, world, modes=("remainder", "split"), opt_name="adamw", steps
         model, opt = setup(mode, opt_name, seed=rank)  # different weights per rank: the broadcast must fix them
         try:
             ddp = DDP(model)
-            stale = amp_patch.parallel.ddp.masters_out_of_sync()  # DDP's broadcast reached the masters too
-            amp_patch.parallel.ddp.broadcast_master_params()
-            synced = amp_patch.parallel.ddp.masters_out_of_sync()
+            stale = amp_patch.distributed.masters_out_of_sync()  # DDP's broadcast reached the masters too
+            amp_patch.distributed.broadcast_master_params()
+            synced = amp_patch.distributed.masters_out_of_sync()
             losses, skipped = train_steps(model, opt, steps, rank=rank, forward=ddp)
             results[mode] = {"losses": losses, "skipped": skipped, "stale": stale, "synced": synced,
                              **snapshot(model, opt)}

@@ -6,7 +6,7 @@ different categories are refused. ``torch._VF`` and ``torch.nn.modules.rnn._VF``
 for one name of it are one patch site, refused whatever their categories.
 """
 from ..errors import OpListError
-from ..patching.patcher import _MISSING, find_site
+from ..patching.patcher import MISSING, find_site
 from ..patching.resolve import resolve_target
 
 
@@ -24,7 +24,7 @@ def check_aliases(entries, path=None):
                               f"({other.category}, {_where(other)}) are one attribute: {here.target} "
                               f"and {other.target} are one module. Keep one of the two entries", here.name)
         obj = find_site(owner, entry.name)[1]
-        if obj is _MISSING or not callable(obj):
+        if obj is MISSING or not callable(obj):
             continue
         first = functions.setdefault(id(obj), (obj, entry))[1]
         if first is not entry and first.category != entry.category:

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 
 import torch
 
-from ..casting import scopes as _scopes
 from ..errors import ConfigError, OpListError
 from ..patching.resolve import resolve_name, resolve_target
 from . import _yaml
+from . import scopes as _scopes
 from .aliases import check_aliases
 
 log = logging.getLogger("amp_patch")
@@ -255,7 +255,7 @@ class _Document:
         if "scopes" not in self.doc:
             return inherited
         return _scopes.merge_scopes(inherited, _scopes.parse_scopes(self, self.doc["scopes"],
-                                                                    self.doc.key_lines["scopes"]))
+                                                                    self.doc.key_lines["scopes"], self._parse_block))
 
     def _check_top_keys(self):
         for key, line in self.doc.key_lines.items():

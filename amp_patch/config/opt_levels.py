@@ -10,7 +10,7 @@ import torch
 
 from ..config.dtypes import HALF_DTYPES, parse_half_dtype
 from ..errors import ConfigError
-from ..scaling.scaler import parse_loss_scale as _parse_static_or_dynamic
+from .loss_scale import parse_loss_scale as _parse_static_or_dynamic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,12 +26,35 @@ class Properties:
     half_dtype: torch.dtype
     cast_model_outputs: object = None
     keep_fp32_modules: tuple = ()
-    master_storage: str = "fp32"  # "fp32" (masters kept between steps) or "remainder" (bf16 weight + int16)
+    master_storage: str = "fp32"  # two-copy masters: "fp32" (kept between steps) or "remainder" (bf16 weight + int16)
     master_rounding: str = "nearest"  # how fp32 masters reach the half model: "nearest" (torch) or "split"
+    #: whose rules apply: "amp_patch" (its own API) or "apex" (the alias: Apex's scaler counting, float64 model
+    #: inputs/outputs cast as Apex's to_type, the two-copy O2 layout, model grads kept after a scale_loss exit)
+    api: str = "amp_patch"
+    #: who owns the weights (docs/architecture.md "Weight layouts"): "none" (no half model weights: O0, O1;
+    #: or O3's half params, which are the only weights), "one_owner" (O2: the fp32 params are the masters, the
+    #: forward uses half compute copies), "two_copy" (O2: half model params plus fp32 masters beside them) or
+    #: "fsdp2" (FSDP2's MixedPrecisionPolicy casts the sharded models; initialize casts nothing)
+    weight_layout: str = "none"
 
     @property
     def dynamic(self):
         return self.loss_scale == "dynamic"
+
+    @property
+    def model_cast(self):
+        """The dtype initialize casts the models' params to, or None (O1; FSDP2's policy casts sharded ones)."""
+        return None if self.weight_layout == "fsdp2" else self.cast_model_type
+
+    @property
+    def two_copy(self):
+        """Half model params with fp32 masters beside them (the optimizer steps the masters)."""
+        return self.weight_layout == "two_copy"
+
+    @property
+    def cast_float64_io(self):
+        """Model inputs/outputs in float64 are cast too (Apex's ``to_type``); amp_patch's own API leaves them."""
+        return self.api == "apex"
 
 
 _DEFAULTS = {
@@ -88,8 +111,17 @@ def _check_o1_overrides(o):
                           "are already the master weights; leave master_weights=None, or use opt_level='O2'.")
 
 
-def resolve(opt_level, *, half_dtype=None, keep_fp32_modules=(), master_rounding=None, **overrides):
-    """Apply Apex's defaults for ``opt_level`` and the user's ``overrides`` (None means 'not given')."""
+APIS = ("amp_patch", "apex")
+
+
+def resolve(opt_level, *, half_dtype=None, keep_fp32_modules=(), master_rounding=None, api="amp_patch",
+            fsdp2_sharded=False, **overrides):
+    """Apply Apex's defaults for ``opt_level`` and the user's ``overrides`` (None means 'not given').
+
+    The one place the session's policy is decided: ``api`` (whose rules: ``"amp_patch"`` or ``"apex"``) and
+    ``fsdp2_sharded`` (the models are sharded by FSDP2) are facts the caller reads; the weight layout follows."""
+    if api not in APIS:
+        raise ValueError(f"api={api!r}; allowed: {', '.join(APIS)}")
     opt_level = check_opt_level(opt_level)
     given = {k: v for k, v in overrides.items() if v is not None}
     storage = _check_master_storage(opt_level, given.get("master_weights"))
@@ -119,10 +151,26 @@ def resolve(opt_level, *, half_dtype=None, keep_fp32_modules=(), master_rounding
                           "top 16 bits of its fp32 master (float16 has other exponent bits), so the 16-bit "
                           "remainder cannot make it exact. Pass half_dtype=torch.bfloat16, or master_weights=True "
                           "for float16 with fp32 masters")
+    layout = _weight_layout(props, storage, rounding, api, fsdp2_sharded)
     return Properties(opt_level=opt_level, half_dtype=half_dtype,
                       cast_model_outputs=overrides.get("cast_model_outputs"),
                       keep_fp32_modules=_check_module_types(keep_fp32_modules), master_storage=storage,
-                      master_rounding=rounding, **props)
+                      master_rounding=rounding, api=api, weight_layout=layout, **props)
+
+
+def _weight_layout(props, storage, rounding, api, fsdp2_sharded):
+    """Who owns the weights. O2 with fp32 masters rounded as torch casts, under amp_patch's own API: the model's
+    fp32 params are the masters and the forward uses half compute copies (one owner). Remainder masters, the split
+    rounding and Apex's API (its scripts inspect ``param.dtype`` and ``_amp_stash``) keep half model params plus
+    fp32 masters beside them (two copies). Models sharded by FSDP2 at a half level: its policy casts them."""
+    half = props["cast_model_type"] in HALF_DTYPES
+    if fsdp2_sharded and half:
+        return "fsdp2"
+    if not (half and props["master_weights"]):
+        return "none"
+    if storage == "fp32" and rounding == "nearest" and api == "amp_patch":
+        return "one_owner"
+    return "two_copy"
 
 
 def _check_master_storage(opt_level, master_weights):

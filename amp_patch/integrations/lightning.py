@@ -35,8 +35,9 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test 
 
 import amp_patch
 
+from .._torch import dist as distributed
 from ..errors import ConfigError, UsageError
-from ..parallel import ddp as distributed
+from ..session.master_sync import broadcast_master_params
 
 __all__ = ["AmpPatchPrecision", "AmpPatchFabricPrecision"]
 
@@ -110,7 +111,7 @@ class _AmpSession:
         amp_patch.attach_optimizers(new, unscale_loss_id=0 if unscale else None)
         self.optimizers.extend(new)
         if distributed.world_size() > 1 and self.kwargs.get("enabled", True):
-            distributed.broadcast_master_params()  # DDP gave every rank rank 0's half params; masters follow
+            broadcast_master_params()  # DDP gave every rank rank 0's half params; masters follow
 
     def _rescale_unattached(self, optimizers):
         """Grads left by an earlier backward at another scale: bring them to the current one (powers of two)."""

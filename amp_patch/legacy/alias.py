@@ -30,7 +30,7 @@ from .unsupported import attribute_error, import_error, missing_name_error
 log = logging.getLogger("amp_patch")
 _MARK = "__amp_patch_alias__"
 _STATE = {"handle": None}
-_MISSING = object()
+MISSING = object()
 
 
 def _ours(module):
@@ -118,8 +118,8 @@ def _mirror_getattr(fullname, source):
         try:
             value = getattr(source, name)
         except AttributeError:
-            value = _MISSING
-        if value is not _MISSING and getattr(value, "__name__", None) != f"{source.__name__}.{name}":
+            value = MISSING
+        if value is not MISSING and getattr(value, "__name__", None) != f"{source.__name__}.{name}":
             return value  # (the mirror's own submodules are served as their apex-side modules)
         return _submodule_or_error(f"{fullname}.{name}", lambda: missing_name_error(fullname, name, source))
 

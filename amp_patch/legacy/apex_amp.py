@@ -12,10 +12,10 @@ in :mod:`amp_patch.legacy.handle`; ``_amp_state`` is a live view of the session
 import functools
 import logging
 
-from ..scaling import scale_loss
 from ..session import state as _state
 from ..session.api import deinitialize, load_state_dict, state_dict
 from ..session.api import initialize as _initialize
+from ..session.scale_loss import scale_loss
 from ..session.user_functions import (
     disable_casts,
     float_function,

@@ -11,12 +11,12 @@ after an overflow in any of them is skipped. ``handle.scale_loss(loss, optimizer
 import contextlib
 import logging
 
+from .._torch import dist as distributed
 from ..errors import UsageError
-from ..parallel import ddp as distributed
 from ..scaling.optimizer_state import OptimizerState
 from ..scaling.scaler import LossScaler
 from ..session import state as _state
-from ..session.api import deinitialize, initialize
+from ..session.api import deinitialize
 from . import messages, stacking
 from .amp_state import view_of
 from .unsupported import attribute_error
@@ -43,7 +43,7 @@ def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False,
         return _bind(session, enable_caching, verbose)  # amp.init() after an O1 amp.initialize(): both stay active
     if session is not None:
         stacking._close_incompatible(session, call)
-    initialize([], **stacking.with_list_edits(call))
+    stacking.open_apex_session([], None, stacking.with_list_edits(call))
     stacking.record(_state.current())["calls"] = dict(call)
     return _bind(_state.current(), enable_caching, verbose)
 

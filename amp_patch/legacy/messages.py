@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from ..parallel import ddp as distributed
+from .._torch import dist as distributed
 from ..session import state as _state
 
 log = logging.getLogger("amp_patch")

@@ -25,7 +25,7 @@ from ..config.opt_levels import resolve
 from ..errors import UsageError
 from ..scaling.stages import Grads
 from ..session import state as _state
-from ..session.api import _check_incoming_fp32, deinitialize
+from ..session.api import check_incoming_fp32, deinitialize, open_session
 from ..session.api import initialize as _initialize
 from . import amp_lists, amp_stash
 
@@ -51,10 +51,17 @@ def initialize(*args, **kwargs):
         return _add_to(session, models, optimizers, call)
     if session is not None:
         _close_incompatible(session, call)
-    with _state.in_two_copy_layout():  # Apex scripts inspect half model params and masters (docs/migration.md)
-        result = _initialize(models, optimizers, **with_list_edits(call))
+    result = open_apex_session(models, optimizers, with_list_edits(call))
     _opened(_state.current(), dict(call), [])
     return result
+
+
+def open_apex_session(models, optimizers, call):
+    """``initialize(models, optimizers, **call)`` under Apex's rules (``Properties.api == "apex"``: the two-copy O2
+    layout Apex scripts inspect, Apex's scaler counting, float64 inputs/outputs cast; docs/migration.md)."""
+    bound = _SIGNATURE.bind(models, optimizers, **call)
+    bound.apply_defaults()
+    return open_session(bound.arguments, api="apex")
 
 
 def _opened(session, calls, handles):
@@ -105,7 +112,7 @@ def _close_incompatible(session, call):
     deinitialize()
 
 
-def _as_list(objs):
+def as_list(objs):
     if objs is None:
         return []
     return list(objs) if isinstance(objs, (list, tuple)) else [objs]
@@ -155,19 +162,18 @@ def _state_model_params(state):
 
 def _add_to(session, models, optimizers, call):
     """Rebuild the session over the open models/optimizers plus this call's; returns them as passed."""
-    new_models, new_optimizers = _as_list(models), _as_list(optimizers)
+    new_models, new_optimizers = as_list(models), as_list(optimizers)
     if not session.enabled:
         return models if optimizers is None else (models, optimizers)
     _check_nothing_pending(session)
     fresh = [m for m in new_models if isinstance(m, torch.nn.Module) and m not in session.models]
-    _check_incoming_fp32(fresh, call.get("allow_incoming_model_not_fp32", False))
+    check_incoming_fp32(fresh, call.get("allow_incoming_model_not_fp32", False))
     all_models, all_optimizers = _union(session, new_models, new_optimizers)
     kept = record(session)
     merged = {**kept["calls"], **call, "allow_incoming_model_not_fp32": True}  # (the new models were checked)
     deinitialize()
     try:
-        with _state.in_two_copy_layout():
-            _initialize(all_models, all_optimizers, **with_list_edits(merged))
+        open_apex_session(all_models, all_optimizers, with_list_edits(merged))
     except BaseException:
         log.error("amp.initialize() could not add the new models to the open session; the earlier models and "
                   "optimizers were restored to fp32 and are no longer managed")

@@ -1,6 +1,6 @@
 """torch.compile and O2's compute copies: graphs must see the module hooks that make them.
 
-O2's half weights exist only inside model calls, made by forward hooks (``model/compute_copies.py``). dynamo does
+O2's half weights exist only inside model calls, made by forward hooks (``weights/compute_copies.py``). dynamo does
 not guard on nn.Module hooks by default (``torch._dynamo.config.skip_nnmodule_hook_guards``), and it shares one
 compiled graph between instances of a class. So a graph compiled without the hooks (the model before
 ``initialize``, or an fp32 instance of the same class compiled before or during the session) was served to the O2

@@ -10,7 +10,7 @@ import torch
 
 from ..config.dtypes import HALF_DTYPES
 from ..errors import UsageError
-from . import compute_copies
+from ..weights import compute_copies
 
 
 def install(patcher):

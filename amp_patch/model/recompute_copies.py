@@ -15,7 +15,7 @@ import contextlib
 
 import torch.utils.checkpoint as _ckpt
 
-from . import compute_copies
+from ..weights import compute_copies
 
 
 def install(patcher):

@@ -17,10 +17,12 @@ import types
 import torch
 from torch.nn.modules import module as _module_mod
 
-from ..casting.interop.modules import FAST_PATH_TYPES, forward_hook, forward_pre_hook
+from .._torch.hooks import FAST_PATH_TYPES, ForwardHook, InertHook, SessionHook, forward_hook, forward_pre_hook  # noqa: F401 (InertHook: pickles name it here)
 from ..casting.wrappers import cast_tree
 from ..config.dtypes import FLOAT_DTYPES, HALF_DTYPES
 from ..errors import UsageError
+from ..weights.compute_copies import ComputeCopies
+from ..weights.state_dict import LoadMastersHook, StateDictHook
 
 _BATCHNORM = (torch.nn.modules.batchnorm._BatchNorm,)
 
@@ -65,53 +67,6 @@ def _cast_once(args, kwargs, dtype, fp64=False):
         return found[1]
 
     return cast_tree(args, cast_one), cast_tree(kwargs, cast_one)
-
-
-class _NotScriptable(UsageError, AttributeError):
-    """torch.jit.script asked an amp_patch hook for its ``__name__`` (also an AttributeError: hasattr says no)."""
-
-
-_SCRIPT_HELP = ("torch.jit.script cannot compile amp_patch's forward hooks on this model, and TorchScript would not "
-                "run amp_patch's casts anyway (it compiles torch calls to aten ops, past the O1 wrappers). Use "
-                "torch.jit.trace(model, example_inputs) during the session: it records the casts; or script the "
-                "model before amp_patch.initialize() or after amp_patch.deinitialize()")
-
-
-class ForwardHook:
-    """Base of amp_patch's forward hooks: plain objects (picklable), refused by torch.jit.script with the fix."""
-
-    @property
-    def __name__(self):
-        raise _NotScriptable(_SCRIPT_HELP)
-
-
-class SessionHook(ForwardHook):
-    """A hook that belongs to the session: copies and pickles of the model get an inert hook instead."""
-
-    def __deepcopy__(self, memo):
-        return InertHook()
-
-    def __reduce__(self):
-        return InertHook, ()
-
-
-class CallOnForward(SessionHook):
-    """A forward pre-hook or forward hook calling ``fn()`` (e.g. the O1 engine's resume after a failed step)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, module, *args_and_output):
-        self.fn()
-
-
-class InertHook(ForwardHook):
-    """What a session hook becomes in a copied or unpickled model: does nothing."""
-
-    _from_public_api = True  # (torch marks state_dict post-hooks registered through its public API)
-
-    def __call__(self, *args, **kwargs):
-        return None
 
 
 class RegistrationWatch:
@@ -286,73 +241,6 @@ class CastOutputsLike(ForwardHook):
         return cast_tree(out, _caster(self.like.dtype(self.dtype)))
 
 
-class StateDictHook(SessionHook):
-    """state_dict post-hook: what amp_patch cast, in its original dtype (the master where there is one, with the
-    in-place edits of the half model since the last step carried into it: see :func:`carry_edits`)."""
-
-    def __init__(self, restored, to_model=None):
-        self.restored = restored  # (name, original dtype, master or None, param)
-        self.to_model = to_model  # (param, master) -> the half value the param got from its master (None: a cast)
-
-    def __call__(self, module, state_dict, prefix, local_metadata):
-        carry_edits([(param, master) for _, _, master, param in self.restored if isinstance(master, torch.Tensor)],
-                    strict=False, to_model=self.to_model)
-        for name, dtype, master, _ in self.restored:
-            value = state_dict.get(prefix + name)
-            if master is not None:
-                state_dict[prefix + name] = master.detach()
-            elif isinstance(value, torch.Tensor) and value.dtype is not dtype:
-                state_dict[prefix + name] = value.detach().to(dtype)
-
-
-class LoadMastersHook(SessionHook):
-    """load_state_dict pre-hook: loading also writes the masters (in place, so tied params stay tied)."""
-
-    def __init__(self, restored, to_model=None):
-        self.restored = restored
-        self.to_model = to_model  # (param, master) -> the half value the param gets (None: torch's cast of the value)
-
-    def __call__(self, module, state_dict, prefix, *unused):
-        with torch.no_grad():
-            for name, _, master, param in self.restored:
-                value = state_dict.get(prefix + name)
-                if master is not None and isinstance(value, torch.Tensor) and value.shape == master.shape:
-                    master.copy_(value)
-                    if self.to_model is not None:
-                        state_dict[prefix + name] = self.to_model(param, master)
-
-
-def carry_edits(pairs, strict=True, to_model=None):
-    """Master weights (O2): carry into the fp32 masters what changed in the half model params since the masters
-    were last copied into them (WGAN's ``p.data.clamp_(-c, c)``, weight surgery through ``.data``), elementwise,
-    so the next step does not silently undo it. Called before each step and at deinitialize (``strict=False``:
-    a param whose shape changed is left to its master); unchanged params cost one compare. ``to_model(param,
-    master)``: the half value the param got from its master (default torch's cast; ``master_rounding="split"``
-    rounds ties otherwise, and a tie must not read as an edit)."""
-    with torch.no_grad():
-        for param, master in pairs:
-            if param.shape != master.shape and not strict:
-                continue
-            if param.shape != master.shape:
-                raise UsageError(
-                    f"a {param.dtype} model param changed shape from {tuple(master.shape)} to {tuple(param.shape)} "
-                    "since initialize; its fp32 master (in amp_patch.master_params(optimizer)) cannot follow. "
-                    "Resize the model before amp_patch.initialize(), or edit the masters (and build a new "
-                    "optimizer and session) instead")
-            rounded = master.to(param.dtype) if to_model is None else to_model(param, master)
-            bits, rounded_bits = _bits(param), _bits(rounded)  # (bitwise: a NaN weight is no edit)
-            if torch.equal(bits, rounded_bits):
-                continue
-            master.copy_(torch.where(bits != rounded_bits, param.to(master.dtype), master))
-
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t):
-    return t.view(_INT_OF_SIZE[t.element_size()]) if t.element_size() in _INT_OF_SIZE else t
-
-
 class ModelPatch:
     """The changes made to one model; ``restore`` undoes them."""
 
@@ -411,16 +299,16 @@ class ModelPatch:
             self.handles.append(self.model.register_forward_pre_hook(EnterCall(outputs), prepend=True))
         self.handles.append(forward_hook(self.model, outputs, always_call=True))
 
-    def cast_io(self, input_dtype, output_dtype, keep_types, compute_copies=None, fp64=False):
+    def cast_io(self, input_dtype, output_dtype, keep_types, compute_copies=False, fp64=False):
         """Cast floating inputs of the model to its weights' dtype and its outputs to ``output_dtype``.
-        ``compute_copies(model, dtype, keep_types, watch, slots)``: the ``ComputeCopies`` class, O2's half weights
-        per call (installed first: the input cast follows the weights the forward uses). ``fp64``: float64
-        inputs and outputs are cast too (the apex alias, as Apex's ``to_type``)."""
+        ``compute_copies``: the one-owner layout's half weights per call (:class:`ComputeCopies`, installed first:
+        the input cast follows the weights the forward uses). ``fp64``: float64 inputs and outputs are cast too
+        (the apex alias, as Apex's ``to_type``)."""
         watch = RegistrationWatch()
         self.handles.append(watch)  # before it installs: restore() removes it whenever an interrupt lands
         watch.install()
-        if compute_copies is not None:
-            copies = compute_copies(self.model, input_dtype, keep_types, watch, self.like.slots)
+        if compute_copies:
+            copies = ComputeCopies(self.model, input_dtype, keep_types, watch, self.like.slots)
             copies.adopt = lambda module, name, buffer: self._adopt_buffer(module, name, buffer, input_dtype)
             self.handles.append(copies)
             copies.attach()

@@ -14,9 +14,8 @@ import time
 
 import torch
 
-from ..casting.interop.modules import forward_hooks, forward_pre_hook
+from .._torch.hooks import SessionHook, forward_hooks, forward_pre_hook
 from ..casting.wrappers import iter_tensors
-from ..model.transform import SessionHook
 
 log = logging.getLogger("amp_patch")
 

@@ -2,7 +2,7 @@
 
 Set up by ``initialize`` (``session.api._set_up_diagnostics``, which registers the diagnoser's ``remove`` as this
 part's undo step in the session's one ordered undo list), written by ``scale_loss``'s scaler update
-(:mod:`amp_patch.scaling.protocol`), read by ``amp_patch.history()`` / ``amp_patch.last_overflow()``.
+(:mod:`amp_patch.session.scale_loss`), read by ``amp_patch.history()`` / ``amp_patch.last_overflow()``.
 """
 
 

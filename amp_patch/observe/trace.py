@@ -1,6 +1,6 @@
 """Cast trace: which patched entry points ran, in which dtypes, with how many casts and cache hits.
 
-``with amp_patch.trace() as t:`` reinstalls the O1 wrappers in a recording
+``with amp_patch.trace() as t:`` (:mod:`amp_patch.session.tracing`) reinstalls the O1 wrappers in a recording
 variant for the body and the plain ones on exit; the plain wrappers contain no
 tracing code, so tracing off costs nothing. Optionally it attributes calls to
 the module that was running and counts torch calls on half tensors that no op
@@ -16,8 +16,6 @@ from torch.overrides import TorchFunctionMode
 from ..casting.cache import make_to_half
 from ..casting.wrappers import iter_tensors, make_wrapper
 from ..config.dtypes import HALF_DTYPES
-from ..errors import UsageError
-from ..session import state as _state
 
 _FIELDS = ("qualname", "category", "source", "scope", "module", "calls", "input_dtypes", "output_dtypes", "casts",
            "cache_hits", "cache_misses")
@@ -150,7 +148,7 @@ def _cell(value):
     return "" if value is None else str(value)
 
 
-class _UnpatchedCalls(TorchFunctionMode):
+class UnpatchedCalls(TorchFunctionMode):
     """Counts torch calls whose tensor args include a half tensor and that no wrapper covers."""
 
     def __init__(self, tracer, originals):
@@ -178,15 +176,6 @@ def _qualname(func):
     return f"{getattr(func, '__module__', None) or 'torch'}.{name}"
 
 
-def _module_names():
-    session = _state.current()
-    names = {}
-    for model in getattr(session, "models", []):
-        for name, module in model.named_modules():
-            names.setdefault(id(module), name or type(module).__name__)
-    return names
-
-
 @contextlib.contextmanager
 def running_modules(names, stack):
     """While the body runs, ``stack`` holds the names of the modules whose forward is running (innermost last).
@@ -208,30 +197,3 @@ def running_modules(names, stack):
     finally:
         pre.remove()
         post.remove()
-
-
-@contextlib.contextmanager
-def trace(modules=True, unpatched=True):
-    """Record every call of a patched entry point in the body; yields the :class:`Tracer`."""
-    engine = _state.active_engine()
-    if engine is None:
-        raise UsageError("amp_patch.trace() needs O1 casting: call amp_patch.initialize(..., opt_level='O1') or "
-                         "open an amp_patch.autocast() region first")
-    tracer = Tracer(modules=modules, unpatched=unpatched)
-    with contextlib.ExitStack() as stack:
-        previous = engine.tracer
-        _retrace(engine, tracer)
-        stack.callback(_retrace, engine, previous)
-        if modules:
-            stack.enter_context(running_modules(_module_names(), tracer.module_stack))
-        if unpatched:
-            originals = {id(p.original) for p in engine.patcher.patches}
-            stack.enter_context(_UnpatchedCalls(tracer, originals))
-        yield tracer
-
-
-def _retrace(engine, tracer):
-    engine.retrace(tracer)
-    session = _state.current()
-    if session is not None and session.casting.engine is engine:
-        session.refresh_early_bound()

@@ -1,4 +1,7 @@
-"""torch.distributed helpers: rank-consistent overflow decisions, rank-0 logging, master-weight sync.
+"""DDP and FSDP2 helpers: rank-0 logging, DDP's no_sync and broadcast followed, FSDP2 checks.
+
+The readings of torch.distributed (world size, rank, the overflow all-reduce) are in :mod:`amp_patch._torch.dist`;
+the public master-weight sync (``broadcast_master_params``) in :mod:`amp_patch.session.master_sync`.
 
 Nothing here imports or initializes a process group; every function is a cheap
 no-op unless ``torch.distributed`` is available, initialized and has >1 rank.
@@ -16,84 +19,21 @@ import contextlib
 import functools
 import inspect
 import logging
-import sys
-import time
-import warnings
 
 import torch
 
+from .._torch import dist
 from ..errors import UsageError
 from ..patching.patcher import Patcher
-from ..session import state as _state
-
-__all__ = ["agree_overflow", "broadcast_master_params", "masters_out_of_sync", "check_unscale_inside_no_sync",
-           "world_size", "rank"]
 
 log = logging.getLogger("amp_patch")
-
-
-def _world():
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist
-    return None
-
-
-def _flag_device(dist):
-    """Where the overflow flag lives: the current CUDA device for NCCL (it cannot reduce CPU tensors), else CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def agree_overflow(found_inf, device=None):
-    """True on every rank if any rank saw non-finite grads (one scalar all-reduce when distributed)."""
-    dist = _world()
-    if dist is None:
-        return found_inf
-    flag = torch.tensor([1.0 if found_inf else 0.0], device=device if device is not None else _flag_device(dist))
-    _all_reduce_and_let_go(dist, flag, dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
-def _all_reduce_and_let_go(dist, tensor, op, limit_s=0.2):
-    """A blocking all-reduce that, under gloo, also yields the GIL until the worker thread dropped ``tensor``.
-
-    The collective returns as soon as its work completes; gloo's worker drops the work's tensors a moment later,
-    and while a C++ reference exists torch keeps one on the tensor's Python object, so that drop takes the GIL.
-    After a script's last step the worker could then need the GIL during interpreter shutdown (the process
-    aborts: "terminate called without an active exception") or while the main thread holds it in a process
-    group's destructor (the process hangs). The extra Python reference shows in sys.getrefcount.
-    """
-    refs = sys.getrefcount(tensor)
-    dist.all_reduce(tensor, op=op)
-    if dist.get_backend() != "gloo":
-        return
-    deadline = time.monotonic() + limit_s
-    while sys.getrefcount(tensor) > refs:
-        if time.monotonic() > deadline:
-            warnings.warn(f"amp_patch: gloo kept a reference to the overflow flag {limit_s} s after the all-reduce "
-                          "returned (a debug recorder holding tensors?); every step waits this long for it "
-                          "(shown once)", RuntimeWarning, stacklevel=2)
-            return
-        time.sleep(0)  # releases the GIL
-
-
-def world_size():
-    dist = _world()
-    return dist.get_world_size() if dist is not None else 1
-
-
-def rank():
-    dist = _world()
-    return dist.get_rank() if dist is not None else 0
 
 
 class RankZeroFilter(logging.Filter):
     """Drops amp_patch log records on ranks other than 0."""
 
     def filter(self, record):
-        return rank() == 0
+        return dist.rank() == 0
 
 
 def install_rank_filter(all_ranks):
@@ -103,51 +43,6 @@ def install_rank_filter(all_ranks):
     flt = RankZeroFilter()
     log.addFilter(flt)
     return lambda: log.removeFilter(flt)
-
-
-def _master_pairs():
-    session = _state.current()
-    if session is None or not session.enabled:
-        raise UsageError("amp_patch.parallel.ddp.broadcast_master_params() needs an initialized session; call "
-                         "amp_patch.initialize(...) first, then wrap the model in DistributedDataParallel")
-    return [(state, model_p, master) for state in session.scaling.opt_states.values()
-            for model_p, master in state.public_pairs()]
-
-
-def broadcast_master_params(src=0, group=None):
-    """Give every rank rank ``src``'s fp32 master params (and the half model params cast from them).
-
-    DDP broadcasts rank 0's *model* params when it is constructed; under O2 those
-    are the half copies and the fp32 masters held by the optimizer keep each
-    rank's own values. Call this once after wrapping the model when the ranks
-    did not build identical weights (different seeds, a checkpoint loaded on one
-    rank only). A no-op outside a multi-rank run and for opt levels without
-    master weights. Collective: every rank of ``group`` must call it.
-    """
-    pairs = _master_pairs()
-    dist = _world()
-    if dist is None or not pairs:
-        return
-    with torch.no_grad():
-        for state, model_p, master in pairs:
-            value = master.detach()  # a real fp32 master's own storage, or a remainder master joined
-            dist.broadcast(value, src=src, group=group)
-            master.copy_(value)
-            model_p.copy_(state.to_model(model_p, master))
-
-
-def masters_out_of_sync():
-    """Names (``"param i"``) of this rank's master params that do not round to their half model param.
-
-    Local and cheap (no collective). A non-empty answer after wrapping in DDP
-    means DDP overwrote the half params with rank 0's and the fp32 masters were
-    left behind: call :func:`broadcast_master_params`.
-    """
-    bad = []
-    for i, (state, model_p, master) in enumerate(_master_pairs()):
-        if state.out_of_sync(model_p, master):
-            bad.append(f"param {i}")
-    return bad
 
 
 def check_unscale_inside_no_sync(model, delay_unscale):
@@ -162,7 +57,7 @@ def check_unscale_inside_no_sync(model, delay_unscale):
     """
     if delay_unscale or model is None or getattr(model, "require_backward_grad_sync", True):
         return
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or _world() is None:
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or dist.world() is None:
         return
     raise UsageError("scale_loss(..., delay_unscale=False) inside DistributedDataParallel.no_sync(): these local "
                      "gradients would be unscaled and moved out of param.grad before DDP reduces it, so every rank "
@@ -260,15 +155,18 @@ def _is_sharded(model):
 
 
 def check_fsdp_at_initialize(models, props, master_weights=None):
-    """``(props, FSDP2 param groups, models to watch for a later shard)``
-    (see :func:`amp_patch.parallel.fsdp2.adapt_props`).
+    """``(FSDP2 param groups, models to watch for a later shard)`` (see :func:`amp_patch.parallel.fsdp2.check_sharded`).
 
     O2/O3 on a model sharded with a compatible MixedPrecisionPolicy (``amp_patch.fully_shard``): no cast and no
     master copy; other sharded models are refused at O2/O3 with the policy to use.
     """
-    from .fsdp2 import adapt_props
-    props, groups = adapt_props(models, props, master_weights)
-    return props, groups, [m for m in models if not _is_sharded(m)]
+    from .fsdp2 import check_sharded
+    return check_sharded(models, props, master_weights), [m for m in models if not _is_sharded(m)]
+
+
+def any_sharded(models):
+    """Whether FSDP2 shards any of ``models`` (a fact the policy is resolved from)."""
+    return any(_is_sharded(m) for m in models)
 
 
 def fsdp_accumulating(session, scaler, loss_id):

@@ -3,7 +3,7 @@
 FSDP2's ``MixedPrecisionPolicy`` is O2's data layout: the sharded fp32 params are the master weights (no second
 copy), ``param_dtype`` gives the half compute params, ``reduce_dtype=float32`` the fp32 master grads and
 ``cast_forward_inputs`` / ``output_dtype`` the input and output casts. :func:`fully_shard` translates an opt level
-into those policies and shards bottom-up; :func:`adapt_props` (called by ``initialize``) checks the policy of a
+into those policies and shards bottom-up; :func:`check_sharded` (called by ``initialize``) checks the policy of a
 sharded model and tells ``initialize`` not to cast it and to keep no master copy. Nothing here touches a process
 group until ``fully_shard`` is called; sharding (like DDP wrapping) is not undone by ``deinitialize``.
 """
@@ -205,17 +205,18 @@ def group_policy(group):
     return policy
 
 
-def adapt_props(models, props, master_weights=None):
-    """``(props, FSDP2 param groups)`` for the models passed to initialize. O2/O3 on models sharded with a
-    compatible policy: no model cast and no master copy (the sharded params are what the optimizer steps)."""
+def check_sharded(models, props, master_weights=None):
+    """The FSDP2 param groups of the models passed to initialize, each checked against the resolved policy
+    (``props.weight_layout == "fsdp2"``: O2/O3 on models sharded with a compatible policy, no model cast and no
+    master copy: the sharded params are what the optimizer steps)."""
     sharded = [m for m in models if is_sharded(m)]
     if not sharded:
-        return props, []
+        return []
     groups = list(param_groups(sharded))
-    if props.cast_model_type not in HALF_DTYPES:
+    if props.weight_layout != "fsdp2":
         _check_fp32_sharded(groups, props)
         _refuse_remainder(props, master_weights)
-        return props, [g for *_, g in groups]
+        return [g for *_, g in groups]
     if len(sharded) != len(models):
         raise UsageError(f"initialize(opt_level={props.opt_level!r}) got FSDP2-sharded and unsharded models "
                          "together; one opt level cannot cast some and not others here: shard every model "
@@ -226,7 +227,7 @@ def adapt_props(models, props, master_weights=None):
     log.info("FSDP2: the sharded %s params are what the optimizer steps (%s), no model cast",
              "fp32" if props.master_weights else str(props.cast_model_type),
              "the fp32 masters" if props.master_weights else "no masters, as O3")
-    return dataclasses.replace(props, cast_model_type=None, master_weights=False), [g for *_, g in groups]
+    return [g for *_, g in groups]
 
 
 def _refuse_remainder(props, master_weights):

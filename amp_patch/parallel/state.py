@@ -1,7 +1,7 @@
 """What one session keeps about data parallelism (DDP ``no_sync`` regions, FSDP2 groups): its ``parallel`` part.
 
 Written by :mod:`.ddp` (the ``no_sync`` count, FSDP2's held accumulation) and by ``initialize`` (the groups, the
-models to watch), read by ``scale_loss`` (:mod:`amp_patch.scaling.protocol`). Its undo steps (the DDP patches) are
+models to watch), read by ``scale_loss`` (:mod:`amp_patch.session.scale_loss`). Its undo steps (the DDP patches) are
 registered by :mod:`.ddp` in the session's one ordered undo list; the fields themselves need no undo.
 """
 

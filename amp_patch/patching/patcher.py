@@ -22,7 +22,7 @@ from ..errors import PatchError
 from . import registry
 
 log = logging.getLogger("amp_patch")
-_MISSING = object()
+MISSING = object()
 
 
 @dataclasses.dataclass
@@ -40,18 +40,18 @@ class Patch:
 def find_site(target, name):
     """The one patch-site lookup (op-list validation uses it too): ``(raw, seen)``.
 
-    ``raw`` is ``target.__dict__[name]`` or ``_MISSING``; ``seen`` is what a caller of ``target.name`` gets: on a
+    ``raw`` is ``target.__dict__[name]`` or ``MISSING``; ``seen`` is what a caller of ``target.name`` gets: on a
     class the first ``__dict__`` in the MRO that holds the name (no descriptor is bound), on a module its
-    attribute, ``_MISSING`` if none (also when the namespace raises for unknown names, as ``torch.ops`` does, and
+    attribute, ``MISSING`` if none (also when the namespace raises for unknown names, as ``torch.ops`` does, and
     for a class attribute no ``__dict__`` in the MRO holds, such as a metaclass's: that is no patch site).
     """
-    raw = vars(target).get(name, _MISSING)
+    raw = vars(target).get(name, MISSING)
     try:
         seen = wrapt.resolve_path(target, name)[2]
     except Exception:  # noqa: BLE001 - wrapt's PathResolutionError; torch.classes / torch.ops raise RuntimeError
-        return raw, _MISSING
+        return raw, MISSING
     if isinstance(target, type) and not any(name in vars(klass) for klass in target.__mro__):
-        return raw, _MISSING
+        return raw, MISSING
     return raw, seen
 
 
@@ -79,15 +79,15 @@ class Patcher:
         if site in self._sites:
             raise PatchError(f"{qualname(target)}.{name} is already patched by this session")
         raw, original = find_site(target, name)
-        if original is _MISSING:
+        if original is MISSING:
             raise PatchError(f"{qualname(target)}.{name} does not exist; nothing to patch")
-        return self._apply(Patch(target, name, raw, raw is not _MISSING, original, make_replacement(original)))
+        return self._apply(Patch(target, name, raw, raw is not MISSING, original, make_replacement(original)))
 
     def add(self, target, name, value):
         """Give ``target`` an attribute ``name`` it does not have (own or inherited); undone by deleting it."""
-        if (id(target), name) in self._sites or find_site(target, name)[1] is not _MISSING:
+        if (id(target), name) in self._sites or find_site(target, name)[1] is not MISSING:
             raise PatchError(f"{qualname(target)}.{name} already exists; nothing to add")
-        return self._apply(Patch(target, name, _MISSING, False, _MISSING, value))
+        return self._apply(Patch(target, name, MISSING, False, MISSING, value))
 
     def _apply(self, patch):
         self._patches.append(patch)
@@ -131,8 +131,8 @@ class Patcher:
 
     @staticmethod
     def _restore(patch):
-        current = vars(patch.target).get(patch.name, _MISSING)
-        if current is (patch.raw if patch.own else _MISSING):
+        current = vars(patch.target).get(patch.name, MISSING)
+        if current is (patch.raw if patch.own else MISSING):
             return True  # already as it was (an interrupted earlier restore, or install interrupted before setattr)
         if current is not patch.replacement:
             return False

@@ -11,7 +11,7 @@ CATALOGUE = (
      "a skipped step's grads are cleared with the optimizer's own zero_grad; O2 clears the masters' grads too"),
     ("<optimizer class>.step", "session.api",
      "each optimizer class that defines step() (casting pauses inside it; the scale_loss protocol finishes there)"),
-    ("torch.nn.utils.clip_grad.clip_grad_norm_/clip_grad_value_ (also in torch.nn.utils)", "session.clip_check",
+    ("torch.nn.utils.clip_grad.clip_grad_norm_/clip_grad_value_ (also in torch.nn.utils)", "weights.clip_check",
      "two-copy O2 only (remainder, split, apex alias): clipping model params whose masters hold the grads warns once"),
     ("torch.optim.optimizer.Optimizer._amp_stash", "legacy.amp_stash",
      "Apex's per-optimizer stash, read by Apex scripts (added while an apex-alias session is open)"),

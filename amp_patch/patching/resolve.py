@@ -21,7 +21,7 @@ import types
 import torch
 
 from ..errors import ConfigError
-from .patcher import _MISSING, find_site
+from .patcher import MISSING, find_site
 
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -89,7 +89,7 @@ def _defined_by_torch(obj):
 def lookup(owner, name):
     """The attribute ``name`` of ``owner`` the way a call site sees it, or None (the patcher's lookup)."""
     seen = find_site(owner, name)[1]
-    return None if seen is _MISSING else seen
+    return None if seen is MISSING else seen
 
 
 @functools.lru_cache(maxsize=1)

@@ -41,39 +41,37 @@ import threading
 
 import torch
 
+from .._torch import dist as distributed
 from ..errors import UsageError
-from ..parallel import ddp as distributed
-from . import unscaled
+from ..weights.masters import TwoCopyMasters
 from .closure_steps import StepSnapshot
 from .foreign_grads import ForeignGrads
-from .masters import MasterWeights
-from .remainder import Fp32Masters
+from .forgotten_scale_loss import ForgottenScaleLoss
 from .stages import DOOMED, READY, SCALED, UNSCALED, NextStepStage, Scaled
 from .state_casts import cast_state_to_params, uncast_state
 from .unscale import unscale_
 
 
-class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
-    """What amp_patch tracks for one optimizer passed to ``initialize``."""
+class OptimizerState(ForeignGrads, NextStepStage):
+    """What amp_patch tracks for one optimizer passed to ``initialize``.
+
+    ``masters``: the two-copy layout's :class:`~amp_patch.weights.masters.TwoCopyMasters` (``master_weights``),
+    else None: under the one-owner layout and without masters no master code runs."""
 
     def __init__(self, optimizer, *, master_weights, fp32_data=None, storage=None, attach=True,
                  unscaled_warning=False):
         self.optimizer = optimizer
         self.master_weights = master_weights
-        self.unscaled_warning = unscaled_warning  # the opt level where a plain backward trains unscaled
+        self.forgotten = ForgottenScaleLoss(unscaled_warning)  # a plain backward where scale_loss was meant
         self.stepping = 0  # inside step() (a closure's scale_loss runs there)
         self.closure_overflow = False  # a closure's backward overflowed: its grads were zeroed
         self.snapshot = None  # inside step(closure): what the step can change, as it began (closure_steps.py)
         self.state_casts = []  # existing optimizer state given its param's dtype (scaling/state_casts.py)
-        self.storage = storage or Fp32Masters()  # where masters live between steps (scaling/remainder.py)
-        self.pairs = []  # (model param, fp32 master)
-        self._master_of = {}
-        self._master_ids = set()
+        self.masters = TwoCopyMasters(optimizer, storage) if master_weights else None
         self._init_next_step()  # next_step (READY / DOOMED), doomed_by, last_skipped
         self.pending = None  # the Scaled data while the grads are SCALED (see the grads property)
         self.set_aside = []  # (param, unscaled grad) until the unscaling exit (before_backward)
         self.kept_model_grads = []  # Apex's API: (half model param, grad) an exit left in place (after_backward)
-        self.masters_stale = False  # after a step: the next unscale writes the master grads instead of adding
         self.undo_updates = {}  # scaler -> memento before this step's updates (None: an overflow, kept)
         self.engine = None  # the session's casting engine (O1): paused during step()
         self.in_scale_loss = False  # an open scale_loss block names this optimizer (nesting is refused)
@@ -81,8 +79,6 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         self.own_exit = None  # grad_snapshot() when the last scale_loss naming this optimizer inside another exited
         self.threads = set()  # idents of the threads that ran scale_loss / step / zero_grad on it (see used_by)
         self.busy = {}  # thread ident -> "scale_loss" / "optimizer.step()" while one is open there (deinitialize)
-        self._known_groups = 0
-        self._param_count = 0
         self._handles = []
         if attach:
             self.attach(fp32_data)
@@ -91,7 +87,8 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         """Put the masters into the optimizer and hook its step (``attach=False`` at construction lets the caller
         register :meth:`restore` first, so that an interrupt anywhere in here is undone)."""
         try:  # a fault while making masters leaves no master in the optimizer
-            self._sync_groups(fp32_data or {})
+            if self.masters is not None:
+                self.masters.attach(fp32_data)
             self.state_casts = cast_state_to_params(self.optimizer)
             self._handles.append(self.optimizer.register_step_pre_hook(self._pre_step))
             self._handles.append(self.optimizer.register_step_post_hook(self._post_step))
@@ -99,15 +96,47 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
             self.restore()
             raise
 
+    # -- the masters' views (empty without the two-copy layout) --------------------------------------------
+    @property
+    def pairs(self):
+        """(half model param, fp32 master) of the two-copy layout; () under the others."""
+        return self.masters.pairs if self.masters is not None else ()
+
+    @property
+    def storage(self):
+        return self.masters.storage if self.masters is not None else None
+
+    def masters_by_model_param(self):
+        return self.masters.by_model_param() if self.masters is not None else {}
+
+    def public_pairs(self):
+        return self.masters.public_pairs() if self.masters is not None else []
+
+    def to_model(self, model_p, public_master):
+        return self.masters.to_model(model_p, public_master)
+
+    def out_of_sync(self, model_p, public_master):
+        return self.masters.out_of_sync(model_p, public_master)
+
+    def master_params(self):
+        self._sync_groups()
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    def _sync_groups(self):
+        if self.masters is not None:
+            self.masters.sync_groups()
+
     def _any_grad(self):
         return any(p.grad is not None for group in self.optimizer.param_groups for p in group["params"]) or any(
             p.grad is not None for p, _ in self.pairs)
 
     def _grad_params(self):
         """Params whose .grad backward fills: model params (under masters, the half ones) and fp32 params."""
+        masters = self.masters.ids if self.masters is not None else ()
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                if id(p) not in self._master_ids:
+                if id(p) not in masters:
                     yield p
 
     # -- scale_loss protocol --------------------------------------------------------------------
@@ -126,7 +155,7 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         self._sync_groups()
         self.claim()
         self._drop_kept_model_grads()
-        unscaled.note_scaled(self)
+        self.forgotten.note_scaled()
         self.check_foreign("scale_loss")
         if self.next_step is DOOMED:
             self._pardon()
@@ -218,9 +247,10 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         for model_p, master in self.pairs:
             if model_p.grad is not None:
                 master_grads.append(model_p.grad)
-                master_outs.append(None if self.masters_stale else master.grad)
+                master_outs.append(None if self.masters.stale else master.grad)
                 masters.append((model_p, master))
-        self.masters_stale = False
+        if self.masters is not None:
+            self.masters.stale = False
         if master_grads:
             found |= scaler.unscale_grads(master_grads, out=master_outs)
             for (model_p, master), g in zip(masters, master_outs):
@@ -279,33 +309,29 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         self._forget_fate()
         self.set_aside, self.own_exit = [], None
 
-    def _check_backward_outside(self):
-        """Master weights: half model grads with no scale_loss pending come from a plain ``loss.backward()``."""
-        kept = {id(grad) for _, grad in self.kept_model_grads}
-        if self.pending is None and any(p.grad is not None and id(p.grad) not in kept for p, _ in self.pairs):
-            raise UsageError(f"{type(self.optimizer).__name__}.step(): the half model params have gradients that "
-                             "no amp_patch.scale_loss() block produced (a plain loss.backward()?); under master "
-                             "weights (O2) those never reach the fp32 weights. Run backward inside "
-                             "'with amp_patch.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()'.")
-
     # -- step hooks -----------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs):
-        self._sync_groups()
-        self._carry_edits()
+        masters = self.masters
+        if masters is not None:
+            masters.sync_groups()
+            masters.carry_edits()
         self.claim()
         self.busy[threading.get_ident()] = "optimizer.step()"
         self.check_foreign("optimizer.step()")
-        self._check_backward_outside()
+        if masters is not None:
+            masters.check_backward_outside(self.pending, self.kept_model_grads)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
-        unscaled.check_step(self, closure)
+        self.forgotten.check_step(self.optimizer, closure)
         if self.engine is not None and closure is None:  # a closure runs a forward: keep casting for it
             self.engine.pause_for_step()
         if self.pending is not None:  # the last backward was delayed (or raised): finish it now
             self._finish_delayed(self.pending.scaler)
         skipped = self._take_step()
         self.stepping += 1
-        self._check_groups_unchanged()
-        self.storage.before_step(self.pairs)
+        if masters is not None:
+            if masters.groups_checked():
+                self.set_aside, self.own_exit = [], None
+            masters.before_step()
         self.snapshot = StepSnapshot(optimizer) if closure is not None else None
         if skipped:
             self.set_aside = []
@@ -339,9 +365,8 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
                     incomplete = exc
             self.last_skipped, self.next_step, self.closure_overflow = incomplete is None, READY, False
         self.snapshot = None
-        self.storage.after_step(self.pairs, self.last_skipped)
-        self._clear_master_grads()
-        self.masters_stale = bool(self.pairs)
+        if self.masters is not None:
+            self.masters.after_step(self.last_skipped)
         if incomplete is not None:
             raise incomplete
 
@@ -351,21 +376,15 @@ class OptimizerState(MasterWeights, ForeignGrads, NextStepStage):
         while self._handles:  # removed, then forgotten (an interrupt between the two loses no hook)
             self._handles[-1].remove()
             self._handles.pop()
-        self._carry_edits(strict=False)  # (a clip after the last step is kept: deinitialize gives the masters)
+        if self.masters is not None:  # (a clip after the last step is kept: deinitialize gives the masters)
+            self.masters.carry_edits(strict=False)
         uncast_state(self.state_casts)
         if self.pending is not None:  # a delayed or interrupted backward left its grads multiplied by the scale:
             grads = [p.grad for p in self._grad_params() if p.grad is not None]  # they are given back unscaled
             if grads:
                 _rescale(grads, 1.0 / self.pending.scaler.scale)
-        state = self.optimizer.state
-        for param, master in self.pairs:
-            if master in state:
-                state[param] = state.pop(master)
-            if master.grad is not None:
-                param.grad = None
-        model_of = {id(m): p for p, m in self.pairs}
-        for group in self.optimizer.param_groups:
-            group["params"] = [model_of.get(id(p), p) for p in group["params"]]
+        if self.masters is not None:
+            self.masters.restore()
 
 
 def _rescale(grads, factor):

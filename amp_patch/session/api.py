@@ -1,45 +1,46 @@
 """The Apex-compatible entry points: initialize, deinitialize, amp state, master params (scale_loss: scaling/)."""
-import dataclasses
 import functools
 import logging
+import types
 
 import torch
 
+from .._torch import hooks
 from ..casting.engine import CastingEngine
 from ..casting.interop import modules as module_compat
-from ..config.dtypes import HALF_DTYPES
 from ..config.opt_levels import resolve
 from ..errors import ConfigError
 from ..model import conversion_guard, recompute_copies
 from ..model.compile_guards import HookGuards
-from ..model.compute_copies import ComputeCopies, check_no_calls_elsewhere
-from ..model.transform import CallOnForward, ModelPatch, SparseEmbedding
+from ..model.transform import ModelPatch, SparseEmbedding
 from ..observe.overflow import OverflowDiagnoser, StepHistory
 from ..observe.trace import Tracer
 from ..parallel import ddp as distributed
 from ..patching import early_bound
 from ..patching.patcher import Patcher
 from ..scaling.optimizer_state import OptimizerState
-from ..scaling.protocol import check_idle_elsewhere
-from ..scaling.remainder import make_storage
 from ..scaling.scaler import load_state_dict_into, state_dict_for
-from . import clip_check, data_loading
+from ..weights import clip_check
+from ..weights.compute_copies import check_no_calls_elsewhere
+from ..weights.storage import make_storage
+from . import data_loading
 from . import state as _state
 from .checks import (  # noqa: F401
-    _as_list,
     _check_enabled,
-    _check_incoming_fp32,
     _check_models,
     _check_not_initialized,
     _check_optimizers_train_models,
     _check_the_rest,
     _make_scalers,
     _pack,
+    as_list,
+    check_incoming_fp32,
     check_no_inner_optimizers,
     check_no_nested_models,
     check_no_shared_params,
     check_step_hooks,
 )
+from .scale_loss import check_idle_elsewhere
 from .session import Session
 from .user_functions import REGISTRY
 
@@ -58,68 +59,70 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     Returns the models and optimizers in the structure they were passed (only
     the models when no optimizers were given). See docs/usage.md.
     """
+    return open_session(locals(), api="amp_patch")
+
+
+def open_session(call, api):
+    """``initialize`` with its arguments as a mapping (every parameter of :func:`initialize`) under ``api``'s
+    rules (``"amp_patch"``, or ``"apex"`` for the alias: see ``Properties.api``)."""
+    c = types.SimpleNamespace(**call)
     _check_not_initialized()
-    _check_enabled(enabled)
-    if models is None:
+    _check_enabled(c.enabled)
+    if c.models is None:
         raise ConfigError("models=None; pass the model(s) to set up: initialize(model, optimizer, opt_level=...)")
-    model_list = _as_list(models, "models", torch.nn.Module)
-    opt_list = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
-    if not enabled:
+    model_list = as_list(c.models, "models", torch.nn.Module)
+    opt_list = as_list(c.optimizers, "optimizers", torch.optim.Optimizer)
+    if not c.enabled:
         _state.activate(Session(enabled=False))
-        return _pack(models, optimizers)
+        return _pack(c.models, c.optimizers)
     check_step_hooks(opt_list)
     _check_models(model_list)
-    _check_incoming_fp32(model_list, allow_incoming_model_not_fp32)
-    props = resolve(opt_level, half_dtype=half_dtype, keep_fp32_modules=keep_fp32_modules,
-                    cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
-                    keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
-                    loss_scale=loss_scale, cast_model_outputs=cast_model_outputs, master_rounding=master_rounding)
-    props, fsdp_groups, unsharded = distributed.check_fsdp_at_initialize(model_list, props, master_weights)
-    props = _weight_layout(props)
+    check_incoming_fp32(model_list, c.allow_incoming_model_not_fp32)
+    props = _resolve(c, api, model_list)
+    fsdp_groups, unsharded = distributed.check_fsdp_at_initialize(model_list, props, c.master_weights)
     check_no_nested_models(props, model_list)
     # every argument is checked before anything is touched: a ConfigError leaves the models as they were
     _check_optimizers_train_models(props, model_list, opt_list)
     check_no_shared_params(props, opt_list, model_list)
     check_no_inner_optimizers(props, opt_list)
-    scalers = _make_scalers(props, num_losses, min_loss_scale, max_loss_scale, growth_factor, backoff_factor,
-                            growth_interval, hysteresis)
-    table = _check_the_rest(props, history_size, op_lists, model_list)
+    scalers = _make_scalers(props, c.num_losses, c.min_loss_scale, c.max_loss_scale, c.growth_factor,
+                            c.backoff_factor, c.growth_interval, c.hysteresis)
+    table = _check_the_rest(props, c.history_size, c.op_lists, model_list)
     session = Session(props)
     session.grad_enabled = torch.is_grad_enabled()  # what undoing a failed (or interrupted) initialize leaves
     session.parallel.fsdp_groups = fsdp_groups
     try:
-        _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks)
+        _build(session, model_list, opt_list, scalers, table, c.allow_banned, c.log_all_ranks)
         session.parallel.unsharded_models = unsharded
-        _set_up_diagnostics(session, model_list, diagnose_overflow, history_size)
-        _log_configuration(props, verbosity)
+        _set_up_diagnostics(session, model_list, c.diagnose_overflow, c.history_size)
+        _log_configuration(props, c.verbosity)
         _commit(session)
     except BaseException:
         _abandon(session)
         raise
-    return _pack(models, optimizers)
+    return _pack(c.models, c.optimizers)
 
 
-def _weight_layout(props):
-    """O2 with fp32 masters rounded as torch casts: the model's fp32 params are the masters and the forward uses
-    half compute copies (``master_storage="model"``, see model/compute_copies.py). Remainder masters, the split
-    rounding and the apex alias (``state.two_copy_layout``) keep half model params plus fp32 masters in the
-    optimizer (scaling/optimizer_state.py)."""
-    if (props.master_weights and props.cast_model_type in HALF_DTYPES and props.master_storage == "fp32"
-            and props.master_rounding == "nearest" and not _state.two_copy_layout()):
-        return dataclasses.replace(props, master_storage="model")
-    return props
+def _resolve(c, api, model_list):
+    """The session's policy, resolved once from the arguments and the facts about the models."""
+    return resolve(c.opt_level, half_dtype=c.half_dtype, keep_fp32_modules=c.keep_fp32_modules,
+                   cast_model_type=c.cast_model_type, patch_torch_functions=c.patch_torch_functions,
+                   keep_batchnorm_fp32=c.keep_batchnorm_fp32, master_weights=c.master_weights,
+                   loss_scale=c.loss_scale, cast_model_outputs=c.cast_model_outputs,
+                   master_rounding=c.master_rounding, api=api,
+                   fsdp2_sharded=distributed.any_sharded(model_list))
 
 
 def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks):
     """The steps of initialize that change something; each registers its undo before (or as) it acts."""
     session.undo.append(distributed.install_rank_filter(log_all_ranks))
     fp32_data = _prepare_models(session, model_list)
-    if not opt_list and session.props.master_weights:  # optimizers attached later (attach_optimizers) get exact
+    if not opt_list and session.props.two_copy:  # optimizers attached later (attach_optimizers) get exact
         session.fp32_data = fp32_data  # masters; until then the model's state_dict()/load_state_dict() use these
-    _attach_optimizers(session, opt_list, fp32_data)
+    attach_optimizer_states(session, opt_list, fp32_data)
     _guard_zero_grad(session)
     _warn_clipping_model_params(session)
-    _link_masters(session)
+    link_masters(session)
     session.scaling.scalers = scalers
     _install_casting(session, table, allow_banned)
     _reach_early_bound(session, model_list)
@@ -175,24 +178,24 @@ def _guard_zero_grad(session):
 
 
 def _warn_clipping_model_params(session):
-    """Two-copy O2: ``clip_grad_norm_(model.parameters())`` clips nothing; warned once (session/clip_check.py)."""
+    """Two-copy O2: ``clip_grad_norm_(model.parameters())`` clips nothing; warned once (weights/clip_check.py)."""
     patcher = Patcher()
     session.undo.append(patcher.restore_all)  # first: an interrupt right after install leaves nothing behind
-    clip_check.install(session, patcher)
+    clip_check.install(session.props, session.scaling.opt_states, patcher)
 
 
 def _prepare_models(session, models):
     """Cast models (O0/O2/O3) and their inputs/outputs; returns the fp32 data of params cast to half."""
     props = session.props
     fp32_data = {}
-    fp64 = _state.two_copy_layout()  # the apex alias: Apex's to_type casts float64 model inputs/outputs too
-    if props.cast_model_type is None:  # O1: outputs cast only when cast_model_outputs is given (as Apex)
+    fp64 = props.cast_float64_io  # the apex alias: Apex's to_type casts float64 model inputs/outputs too
+    if props.model_cast is None:  # O1: outputs cast only when cast_model_outputs is given (as Apex)
         _cast_outputs_only(session, models, props.cast_model_outputs, fp64)
         return fp32_data
     keep = props.keep_fp32_modules
     if props.keep_batchnorm_fp32:
         keep = keep + (torch.nn.modules.batchnorm._BatchNorm,)
-    copies = props.master_storage == "model"
+    copies = props.weight_layout == "one_owner"
     if copies:  # (a sparse grad cannot flow back through a compute copy)
         keep = keep + (SparseEmbedding,)
         guards = HookGuards()
@@ -206,9 +209,9 @@ def _prepare_models(session, models):
         patch = ModelPatch(model)
         session.casting.model_patches.append(patch)
         session.undo.append(lambda patch=patch: patch.restore(_restore_values(session, patch)))
-        fp32_data.update(patch.cast(props.cast_model_type, keep, params=not copies))
-        patch.cast_io(props.cast_model_type, props.cast_model_outputs or torch.float32, keep,
-                      compute_copies=ComputeCopies if copies else None, fp64=fp64)
+        fp32_data.update(patch.cast(props.model_cast, keep, params=not copies))
+        patch.cast_io(props.model_cast, props.cast_model_outputs or torch.float32, keep,
+                      compute_copies=copies, fp64=fp64)
     return fp32_data
 
 
@@ -232,16 +235,16 @@ def _restore_values(session, patch):
 
 def _trains_unscaled(props):
     """The opt level under which a plain backward (scale_loss forgotten) trains without its float16 loss scale, or
-    None: O1, and O2 where the fp32 params are the only weights (see scaling/unscaled.py)."""
+    None: O1, and O2 where the fp32 params are the only weights (see scaling/forgotten_scale_loss.py)."""
     scaled = props.half_dtype is torch.float16 and (props.dynamic or props.loss_scale != 1.0)
-    one_owner = props.opt_level == "O1" or props.master_storage == "model"
+    one_owner = props.opt_level == "O1" or props.weight_layout == "one_owner"
     return props.opt_level if scaled and one_owner else None
 
 
-def _attach_optimizers(session, optimizers, fp32_data):
+def attach_optimizer_states(session, optimizers, fp32_data):
     for opt in optimizers:
         props = session.props
-        state = OptimizerState(opt, master_weights=props.master_weights and props.master_storage != "model",
+        state = OptimizerState(opt, master_weights=props.two_copy,
                                fp32_data=fp32_data, storage=make_storage(props.master_storage, props.master_rounding),
                                unscaled_warning=_trains_unscaled(props),
                                attach=False)
@@ -250,7 +253,7 @@ def _attach_optimizers(session, optimizers, fp32_data):
         state.attach(fp32_data)
 
 
-def _link_masters(session):
+def link_masters(session):
     """state_dict()/load_state_dict() use the masters, or the kept fp32 data of params no optimizer holds yet
     (called again by attach_optimizers: the later hooks, with the masters, decide)."""
     masters = session.scaling.masters()
@@ -314,8 +317,8 @@ def _guard_step_pause(session, models):
         return
     resume, begin_forward, end_forward = engine.resume_after_step, engine.begin_forward, engine.end_forward
     for model in models:  # (begin_forward also drops the cast cache: see casting.wrappers.CastCache)
-        session.undo.append(module_compat.forward_pre_hook(model, CallOnForward(begin_forward)).remove)
-        session.undo.append(module_compat.forward_hook(model, CallOnForward(end_forward)).remove)
+        session.undo.append(hooks.forward_pre_hook(model, hooks.CallOnForward(begin_forward)).remove)
+        session.undo.append(hooks.forward_hook(model, hooks.CallOnForward(end_forward)).remove)
     patcher = Patcher()
     session.undo.append(patcher.restore_all)
 

@@ -35,7 +35,7 @@ def _check_enabled(enabled):
 
 def _check_optimizers_train_models(props, models, optimizers):
     """O2/O3 cast the models passed: an optimizer over none of their params would train other weights."""
-    if props.cast_model_type not in (torch.float16, torch.bfloat16):
+    if props.model_cast not in (torch.float16, torch.bfloat16):
         return
     model_params = {id(p) for m in models for p in m.parameters()}
     for opt in optimizers:
@@ -51,7 +51,7 @@ def _check_optimizers_train_models(props, models, optimizers):
 def check_no_nested_models(props, models):
     """O2/O3 give each model passed its own input and output casts: a model passed with one of its own
     submodules would hand the inner one's fp32 outputs to the outer one's half layers."""
-    if props.cast_model_type not in HALF_DTYPES:
+    if props.model_cast not in HALF_DTYPES:
         return
     for outer, model in enumerate(models):
         members = {id(m) for m in model.modules() if m is not model}
@@ -66,7 +66,7 @@ def check_no_nested_models(props, models):
                     "with inputs in the half dtype, or through the outer model)")
 
 
-def _held(opt):
+def held_params(opt):
     return [p for g in opt.param_groups for p in g["params"]]
 
 
@@ -74,11 +74,11 @@ def check_no_shared_params(props, optimizers, models, attached=()):
     """Under master weights each optimizer keeps its own fp32 master of each param it holds: two optimizers over
     one param would train two masters, and each step() would copy its own into the param (wrong numbers).
     ``attached``: (optimizer, the params it holds: model params and their masters) of a running session."""
-    if not props.master_weights or props.master_storage == "model":  # (compute copies: the params are the masters)
+    if not props.two_copy:  # (one owner: the params are the masters)
         return
     names = {id(p): n for m in models for n, p in m.named_parameters()}
     owner = {}
-    for opt, params in [*attached, *((opt, _held(opt)) for opt in optimizers)]:
+    for opt, params in [*attached, *((opt, held_params(opt)) for opt in optimizers)]:
         for p in params:
             first = owner.setdefault(id(p), opt)
             if first is not opt:
@@ -96,10 +96,10 @@ def check_no_inner_optimizers(props, optimizers):
     masters into the optimizer's own param groups. An optimizer that steps another optimizer it built over the
     params with groups of its own (``ZeroRedundancyOptimizer``, a sharding wrapper) would step the half model
     params and the masters would never move: refused, naming the layout that can."""
-    if not props.master_weights or props.master_storage == "model":
+    if not props.two_copy:
         return
     for opt in optimizers:
-        held = {id(p) for p in _held(opt)}
+        held = {id(p) for p in held_params(opt)}
         groups = {id(g) for g in opt.param_groups}
         for name, inner in vars(opt).items():
             if not isinstance(inner, torch.optim.Optimizer) or inner is opt:
@@ -114,7 +114,7 @@ def check_no_inner_optimizers(props, optimizers):
                     "the fp32 model params are then the masters and any optimizer steps them")
 
 
-def _as_list(objs, what, kind):
+def as_list(objs, what, kind):
     if objs is None:
         return []
     items = list(objs) if isinstance(objs, (list, tuple)) else [objs]
@@ -155,7 +155,7 @@ def _check_models(models):
 
 
 
-def _check_incoming_fp32(models, allow):
+def check_incoming_fp32(models, allow):
     """Apex refused a model that arrives in half: its weights would have no fp32 values to train from."""
     if allow or _state.allow_incoming_model_not_fp32():
         return

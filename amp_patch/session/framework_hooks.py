@@ -11,12 +11,12 @@ backward left scaled.
 """
 import torch
 
+from .._torch import dist as distributed
 from ..errors import UsageError
-from ..parallel import ddp as distributed
-from ..scaling.protocol import _finish_step, _quiet
 from ..scaling.stages import DOOMED
-from .api import _as_list, _attach_optimizers, _link_masters
-from .checks import _held, check_no_inner_optimizers, check_no_shared_params, check_step_hooks
+from .api import as_list, attach_optimizer_states, link_masters
+from .checks import check_no_inner_optimizers, check_no_shared_params, check_step_hooks, held_params
+from .scale_loss import finish_step, quiet
 from .state import current_session
 
 
@@ -31,7 +31,7 @@ def attach_optimizers(optimizers, *, unscale_loss_id=None):
     next ``step()``).
     """
     session = current_session("attach_optimizers")
-    opt_list = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
+    opt_list = as_list(optimizers, "optimizers", torch.optim.Optimizer)
     if not session.enabled:
         return optimizers
     check_step_hooks(opt_list)
@@ -39,16 +39,16 @@ def attach_optimizers(optimizers, *, unscale_loss_id=None):
         if id(opt) in session.scaling.opt_states:
             raise UsageError(f"this {type(opt).__name__} optimizer is already attached to the amp_patch session; "
                              "attach each optimizer once (initialize(model, opt) or attach_optimizers(opt))")
-    attached = [(state.optimizer, [p for pair in state.pairs for p in pair] + _held(state.optimizer))
+    attached = [(state.optimizer, [p for pair in state.pairs for p in pair] + held_params(state.optimizer))
                 for state in session.scaling.opt_states.values()]
     check_no_shared_params(session.props, opt_list, session.models, attached)
     check_no_inner_optimizers(session.props, opt_list)
     _follow_devices(session.fp32_data, opt_list)
-    _attach_optimizers(session, opt_list, session.fp32_data)
+    attach_optimizer_states(session, opt_list, session.fp32_data)
     states = [session.scaling.state_for(opt) for opt in opt_list]
     for state in states:
         state.engine = session.casting.engine
-    _link_masters(session)
+    link_masters(session)
     if unscale_loss_id is not None:
         _unscale_now(session, states, unscale_loss_id)
     return optimizers
@@ -66,12 +66,12 @@ def _follow_devices(fp32_data, optimizers):
 
 def _unscale_now(session, states, loss_id):
     scaler = session.scaling.scaler(loss_id)
-    with _quiet(session):
+    with quiet(session):
         found_inf = False
         for state in states:
             state.adopt_scaled(scaler)
             found_inf |= state.after_backward(scaler, False)
-        _finish_step(session, scaler, loss_id, states, distributed.agree_overflow(found_inf))
+        finish_step(session, scaler, loss_id, states, distributed.agree_overflow(found_inf))
 
 
 def next_step_skipped(optimizer):

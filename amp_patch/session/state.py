@@ -14,7 +14,7 @@ import threading
 
 from ..errors import UsageError
 
-_active = {"session": None, "engine": None, "allow_incoming_model_not_fp32": False, "two_copy_layout": False}
+_active = {"session": None, "engine": None, "allow_incoming_model_not_fp32": False}
 lock = threading.RLock()
 
 
@@ -93,19 +93,3 @@ def allow_incoming_model_not_fp32():
 
 def set_allow_incoming_model_not_fp32(value):
     _active["allow_incoming_model_not_fp32"] = bool(value)
-
-
-def two_copy_layout():
-    """The apex alias's switch: O2 keeps Apex's layout (half model params, fp32 masters in the optimizer) for the
-    ``initialize`` calls it makes, because Apex scripts inspect it (``param.dtype``, ``_amp_stash``)."""
-    return _active["two_copy_layout"]
-
-
-@contextlib.contextmanager
-def in_two_copy_layout():
-    """``initialize`` calls inside use the two-copy O2 layout (see :func:`two_copy_layout`)."""
-    before, _active["two_copy_layout"] = _active["two_copy_layout"], True
-    try:
-        yield
-    finally:
-        _active["two_copy_layout"] = before

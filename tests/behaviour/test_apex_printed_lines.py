@@ -7,7 +7,7 @@ import torch
 
 import amp_patch
 from amp_patch import legacy
-from amp_patch.parallel import ddp
+from amp_patch._torch import dist as ddp
 
 # Apex e13873de, apex/amp/frontend.py: what `amp.initialize(model, opt, opt_level="O2", keep_batchnorm_fp32="False",
 # loss_scale="128")` printed.

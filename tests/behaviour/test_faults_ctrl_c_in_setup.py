@@ -81,7 +81,7 @@ def test_ctrl_c_right_after_the_masters_went_into_the_optimizer(monkeypatch, nam
 
 def test_ctrl_c_right_after_the_compute_copies_were_attached(monkeypatch):
     """O2's ComputeCopies hooked the model, then Ctrl-C: the hooks go, the params were never replaced."""
-    from amp_patch.model.compute_copies import ComputeCopies
+    from amp_patch.weights.compute_copies import ComputeCopies
     _interrupt_after(monkeypatch, ComputeCopies, "attach")
     model, hooks, opt = _initialize_interrupted("O2")
     monkeypatch.undo()
@@ -167,12 +167,17 @@ def test_ctrl_c_inside_no_grad_while_undoing_an_interrupted_initialize_leaves_gr
     _assert_clean(model, hooks, opt)
 
 
+# Deinitialize enters no_grad() where it writes weights: the two-copy masters carry the half params' last edits.
+# Default O2 (one owner) and O3 keep no second copy, write no weight at deinitialize and enter no no_grad() there.
+DEINIT_NO_GRAD = {"O2 split": dict(opt_level="O2", half_dtype=torch.bfloat16, master_rounding="split")}
+
+
 @pytest.mark.parametrize("which", ["__enter__", "__exit__"])
-@pytest.mark.parametrize("level", ["O2", "O3"])
+@pytest.mark.parametrize("level", list(DEINIT_NO_GRAD))
 def test_ctrl_c_inside_no_grad_during_deinitialize_leaves_grads_on(monkeypatch, which, level):
     model, opt = _net()
     hooks = _hooks()
-    amp_patch.initialize(model, opt, opt_level=level, verbosity=0)
+    amp_patch.initialize(model, opt, verbosity=0, **DEINIT_NO_GRAD[level])
     _no_grad_interrupted(monkeypatch, which)
     with pytest.raises(KeyboardInterrupt):
         amp_patch.deinitialize()

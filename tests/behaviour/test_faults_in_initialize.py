@@ -13,17 +13,17 @@ from torch.nn.modules import module as module_mod
 
 import amp_patch
 from amp_patch.casting.engine import CastingEngine
-from amp_patch.model.compute_copies import ComputeCopies
 from amp_patch.model.transform import ModelPatch
 from amp_patch.parallel import ddp as distributed
 from amp_patch.patching.patcher import Patcher
 from amp_patch.session import api as frontend
 from amp_patch.session import state as _state
 from amp_patch.session.session import Session
+from amp_patch.weights.compute_copies import ComputeCopies
 
 LEVELS = ("O1", "O2", "O3")
 # every step of initialize that changes something (frontend's names), faulted right after it ran
-STEPS = ("_prepare_models", "_attach_optimizers", "_guard_zero_grad", "_link_masters", "_install_casting",
+STEPS = ("_prepare_models", "attach_optimizer_states", "_guard_zero_grad", "link_masters", "_install_casting",
          "_reach_early_bound", "_attach_scopes", "_guard_step_pause", "_set_up_diagnostics",
          "_log_configuration")
 NAMESPACES = (torch, F, torch.Tensor, torch._C.TensorBase, torch._VF, torch.optim.Optimizer, torch.optim.SGD,
@@ -194,13 +194,13 @@ def test_config_error_leaves_the_model_untouched(monkeypatch, level, bad):
 
 
 def test_keyboard_interrupt_during_initialize_leaves_nothing(monkeypatch):
-    original = frontend._link_masters
+    original = frontend.link_masters
 
     def interrupted(session):
         original(session)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(frontend, "_link_masters", interrupted)
+    monkeypatch.setattr(frontend, "link_masters", interrupted)
     _check_initialize_leaves_nothing("O2", exc=KeyboardInterrupt)
 
 

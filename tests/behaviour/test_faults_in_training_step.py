@@ -39,7 +39,7 @@ class Net(torch.nn.Module):
         return self.lin2(torch.relu(self.lin1(x) + self.shift))
 
 
-def _batches():
+def fixed_batches():
     g = torch.Generator().manual_seed(1)
     return [[(torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)) for _ in range(2)] for _ in range(4)]
 
@@ -91,7 +91,7 @@ def _run(level, dtype, fault):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     before = [(t, t.dtype) for t in list(model.parameters()) + list(model.buffers())]
     model, opt = amp_patch.initialize(model, opt, **_kwargs(level, dtype))
-    for i, micro in enumerate(_batches()):
+    for i, micro in enumerate(fixed_batches()):
         if i != FAULT_STEP:
             _train_step(model, opt, micro)
         elif fault is not None:
@@ -129,7 +129,7 @@ def test_deinitialize_after_an_interrupted_backward_leaves_no_half_grad(level):
     reference = copy.deepcopy(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     model, opt = amp_patch.initialize(model, opt, opt_level=level, verbosity=0)
-    (x, y), _ = _batches()[0]
+    (x, y), _ = fixed_batches()[0]
     with pytest.raises(Fault):
         with amp_patch.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
             scaled.backward()
@@ -155,7 +155,7 @@ def _o2_batch_failed_after_backward():
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp_patch.initialize(model, opt, opt_level="O2", verbosity=0)
-    (x, y), _ = _batches()[0]
+    (x, y), _ = fixed_batches()[0]
     with pytest.raises(Fault):
         with amp_patch.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
             scaled.backward()
@@ -177,7 +177,7 @@ def test_o1_casting_resumes_when_a_step_raises():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sgd_step = vars(torch.optim.SGD)["step"]
     model, opt = amp_patch.initialize(model, opt, opt_level="O1", verbosity=0)
-    (x, y), _ = _batches()[0]
+    (x, y), _ = fixed_batches()[0]
     with amp_patch.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
         scaled.backward()
     handle = opt.register_step_pre_hook(lambda *a: (_ for _ in ()).throw(Fault("in step")))
@@ -197,7 +197,7 @@ def test_module_zero_grad_after_an_overflow_does_not_skip_the_next_step(level):
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp_patch.initialize(model, opt, opt_level=level, loss_scale=128.0, verbosity=0)
-    (x, y), (x2, y2) = _batches()[0]
+    (x, y), (x2, y2) = fixed_batches()[0]
     with amp_patch.scale_loss(F.mse_loss(model(x).float(), y) * float("inf"), opt) as scaled:
         scaled.backward()  # overflow: the next step() would be skipped
     model.zero_grad()  # ... but the batch is abandoned before step()
@@ -223,7 +223,7 @@ def test_zero_grad_without_a_step_rolls_back_clean_updates_but_keeps_backoffs(le
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=torch.float16, verbosity=0)
-    (x, y), _ = _batches()[0]
+    (x, y), _ = fixed_batches()[0]
     try:
         before = amp_patch.state_dict()
         with amp_patch.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
@@ -252,7 +252,7 @@ def test_deinitialize_inside_a_delay_unscale_accumulation_gives_the_grads_back_u
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=torch.float16, verbosity=0)
-    (x, y), _ = _batches()[0]
+    (x, y), _ = fixed_batches()[0]
     with amp_patch.scale_loss(F.mse_loss(model(x).float(), y), opt, delay_unscale=True) as scaled:
         scaled.backward()
     assert amp_patch.loss_scale() > 1

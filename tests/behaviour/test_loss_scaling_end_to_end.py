@@ -21,7 +21,7 @@ def _net(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 
 
-def _batches(n, seed=1):
+def fixed_batches(n, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)) for _ in range(n)]
 
@@ -49,7 +49,7 @@ def _state_of(opt):
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_injected_infs_skip_exactly_those_steps_against_a_control_run(level):
     inject = {2, 5}
-    data = _batches(8)
+    data = fixed_batches(8)
     ref = _net()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     model = _net()
@@ -106,7 +106,7 @@ def test_thousand_steps_of_random_inf_nan_never_reach_a_parameter(level):
 
 @pytest.mark.parametrize("level,loss_scale", [("O1", None), ("O2", None), ("O2", 1.0), ("O1", 1.0)])
 def test_accumulation_over_scale_loss_calls_sums_every_micro_batch(level, loss_scale):
-    data = _batches(3)
+    data = fixed_batches(3)
     ref = _net()
     for x, y in data:
         (F.mse_loss(ref(x), y) / len(data)).backward()
@@ -123,7 +123,7 @@ def test_accumulation_over_scale_loss_calls_sums_every_micro_batch(level, loss_s
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_accumulation_across_loss_ids_with_different_scales(level):
-    data = _batches(2)
+    data = fixed_batches(2)
     ref = _net()
     for x, y in data:
         F.mse_loss(ref(x), y).backward()
@@ -141,7 +141,7 @@ def test_accumulation_across_loss_ids_with_different_scales(level):
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_delay_unscale_matches_plain_accumulation(level):
-    data = _batches(3)
+    data = fixed_batches(3)
     results = []
     for delay in (False, True):
         model = _net()
@@ -166,7 +166,7 @@ def test_overflow_in_one_loss_touches_only_its_scaler_and_optimizers():
     o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
     (m1, m2), (o1, o2) = amp_patch.initialize([m1, m2], [o1, o2], num_losses=2, max_loss_scale=2.0 ** 10,
                                               verbosity=0)
-    x, y = _batches(1)[0]
+    x, y = fixed_batches(1)[0]
     before2 = [p.detach().clone() for p in m2.parameters()]
     with amp_patch.scale_loss(F.mse_loss(m1(x * float("inf")).float(), y), o1, loss_id=0) as scaled:
         scaled.backward()
@@ -200,7 +200,7 @@ class TestO2:
         model, opt = self._setup()
         extra = torch.nn.Linear(2, 2)
         opt.add_param_group({"params": list(extra.parameters())})
-        x, y = _batches(1)[0]
+        x, y = fixed_batches(1)[0]
         before = extra.weight.detach().clone()
         opt.zero_grad()
         loss = F.mse_loss(extra(model(x)), y)
@@ -215,7 +215,7 @@ class TestO2:
 
     def test_state_dict_holds_fp32_masters_and_load_updates_them(self):
         model, opt = self._setup()
-        for x, y in _batches(3):
+        for x, y in fixed_batches(3):
             _step(model, opt, x, y)
         sd = model.state_dict()
         masters = list(amp_patch.master_params(opt))
@@ -231,7 +231,7 @@ class TestO2:
 
     def test_master_params_for_clipping(self):
         model, opt = self._setup(loss_scale=1024.0)
-        x, y = _batches(1)[0]
+        x, y = fixed_batches(1)[0]
         ref = _net()
         F.mse_loss(ref(x), y).backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
@@ -267,7 +267,7 @@ def test_overflow_in_one_micro_batch_counts_once_and_skips_the_step(level):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp_patch.initialize(model, opt, opt_level=level, max_loss_scale=2.0 ** 10, verbosity=0)
     before = [p.detach().clone() for p in amp_patch.master_params(opt)]
-    for i, (x, y) in enumerate(_batches(3)):
+    for i, (x, y) in enumerate(fixed_batches(3)):
         with amp_patch.scale_loss(F.mse_loss(model(x * float("inf") if i == 0 else x).float(), y), opt) as scaled:
             scaled.backward()
     opt.step()
@@ -278,7 +278,7 @@ def test_overflow_in_one_micro_batch_counts_once_and_skips_the_step(level):
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_grads_inside_the_block_are_scale_times_the_reference(level):
-    x, y = _batches(1)[0]
+    x, y = fixed_batches(1)[0]
     ref = _net()
     F.mse_loss(ref(x), y).backward()
     model = _net()

@@ -9,7 +9,7 @@ import torch
 
 import amp_patch
 from amp_patch.errors import ConfigError, UsageError
-from amp_patch.scaling.remainder import join, round_split, split, split_
+from amp_patch.weights.storage import join, round_split, split, split_
 
 
 # -- the split rule -----------------------------------------------------------------------------
@@ -331,15 +331,15 @@ def test_the_experiment_runs_o2_remainder_only_when_named():
 def test_weights_written_outside_amp_patch_are_out_of_sync_but_loads_and_steps_are_not():
     model, opt = jobs.setup("remainder", "sgd")
     try:
-        assert amp_patch.parallel.ddp.masters_out_of_sync() == []
+        assert amp_patch.distributed.masters_out_of_sync() == []
         model.load_state_dict(model.state_dict())
-        assert amp_patch.parallel.ddp.masters_out_of_sync() == []
+        assert amp_patch.distributed.masters_out_of_sync() == []
         with torch.no_grad():
             model[0].weight.copy_(model[0].weight)  # the same values again: still in sync
-            assert amp_patch.parallel.ddp.masters_out_of_sync() == []
+            assert amp_patch.distributed.masters_out_of_sync() == []
             model[2].bias.add_(1.0)
-        assert amp_patch.parallel.ddp.masters_out_of_sync() == ["param 3"]
+        assert amp_patch.distributed.masters_out_of_sync() == ["param 3"]
         jobs.train_steps(model, opt, 1, inf_at=None)  # the step writes every weight from its master again
-        assert amp_patch.parallel.ddp.masters_out_of_sync() == []
+        assert amp_patch.distributed.masters_out_of_sync() == []
     finally:
         amp_patch.deinitialize()

@@ -10,7 +10,7 @@ from tests_support import run_python
 from torch import nn
 
 import amp_patch
-from amp_patch.casting.scopes import compile_glob
+from amp_patch.config.scopes import compile_glob
 from amp_patch.tools import cli
 
 HALF = torch.float16

@@ -17,7 +17,7 @@ import pytest
 import torch
 from tests_support import TESTS
 
-from amp_patch.parallel import ddp as amp_dist
+from amp_patch._torch import dist as amp_dist
 
 HERE = str(TESTS)
 SCRIPT = os.path.join(HERE, "_ddp_exit_script.py")

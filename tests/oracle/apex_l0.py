@@ -229,7 +229,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _batches(entries):
+def fixed_batches(entries):
     """The single-process unittest files share a child (run_amp's its own: they set cudnn flags, which torch's
     common_utils, imported by the others, forbids after import), so do the single-process scripts; each
     multi-process script gets its own."""
@@ -245,7 +245,7 @@ def run_files(entries, prof=None, timeout=900):
     """Run entries of :data:`FILES`; returns ``{file id: {test id: [status, message, seconds]}}``, status one
     of pass / fail / skip / ported / known."""
     results, prof = {}, prof or profile()
-    for batch in _batches(entries):
+    for batch in fixed_batches(entries):
         outcomes = _run_batch(batch, prof, timeout)
         for entry in batch:
             stem = entry[1]

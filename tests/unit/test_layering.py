@@ -1,5 +1,5 @@
-"""The package's floor plan holds: no import cycles, the library never imports the tools, casting never reads the
-session, few modules beside the folders, and every process-wide patch is catalogued and undone."""
+"""The package's floor plan holds: no import cycles, the library never imports the tools, imports point down one
+floor plan, few modules beside the folders, and every process-wide patch is catalogued and undone."""
 import ast
 import pathlib
 
@@ -64,25 +64,85 @@ def _cycles(graph):
     return cycles
 
 
+#: The floor plan, bottom up (docs/architecture.md "Layers"): a package imports only from floors below its own
+#: (module level or inside functions). The facade ``amp_patch`` and its siblings re-export; the lazy entry points
+#: ``amp_patch.doctor`` / ``amp_patch.speed_report`` (facade -> tools) are the one documented upward import.
+FLOORS = (
+    ("errors",),
+    ("_torch",),
+    ("patching",),
+    ("config",),
+    ("casting",),
+    ("weights",),
+    ("model",),
+    ("parallel",),
+    ("observe",),
+    ("scaling",),
+    ("session",),
+    ("", "distributed", "fsdp2"),
+    ("integrations", "legacy"),
+    ("lightning", "tools"),
+    ("experiment", "precision_doctor", "__main__"),
+)
+DOCUMENTED_UPWARD = {("", "tools")}
+
+
+def _package(module):
+    """``amp_patch.scaling.scaler`` -> ``scaling``; the facade ``amp_patch`` -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _package_edges():
+    edges = {}
+    for name, deps in _imports().items():
+        for dep in deps:
+            if _package(dep) != _package(name):
+                edges.setdefault((_package(name), _package(dep)), set()).add(f"{name} -> {dep}")
+    return edges
+
+
 def test_no_module_imports_itself_back_through_others():
     graph = _imports()
     graph[FACADE] = {m for m in graph[FACADE] if not m.startswith("amp_patch.tools")}
     assert _cycles(graph) == []
 
 
+def test_no_package_imports_itself_back_through_others():
+    """Counting imports inside functions too, the sub-packages form no cycle (the lazy facade -> tools aside)."""
+    graph = {}
+    for (src, dst) in _package_edges():
+        if (src, dst) not in DOCUMENTED_UPWARD:
+            graph.setdefault(src, set()).add(dst)
+            graph.setdefault(dst, set())
+    assert _cycles(graph) == []
+
+
+def test_every_package_sits_on_a_floor():
+    floors = {pkg for floor in FLOORS for pkg in floor}
+    found = {_package(name) for name in _imports()}
+    assert found - floors == set(), "add the new package to FLOORS (and to docs/architecture.md's layer list)"
+
+
+def test_imports_point_down_the_floor_plan():
+    floor_of = {pkg: i for i, floor in enumerate(FLOORS) for pkg in floor}
+    upward = {f"{src or FACADE} -> {dst or FACADE}": sorted(why) for (src, dst), why in _package_edges().items()
+              if floor_of[dst] >= floor_of[src] and (src, dst) not in DOCUMENTED_UPWARD}
+    assert upward == {}
+
+
+def test_the_documented_floor_plan_is_this_one():
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    listed = doc.split("<!-- layers -->")[1].split("<!-- /layers -->")[0]
+    for floor in FLOORS:
+        for pkg in floor:
+            assert f"`{pkg or FACADE}`" in listed, f"docs/architecture.md's layer list does not name {pkg or FACADE}"
+
+
 def test_the_library_never_imports_the_tools():
     allowed = (FACADE, "amp_patch.__main__", "amp_patch.experiment", "amp_patch.precision_doctor")
     offenders = {name: sorted(m for m in deps if m.startswith("amp_patch.tools"))
                  for name, deps in _imports().items() if not name.startswith(("amp_patch.tools",) + allowed)}
-    assert {k: v for k, v in offenders.items() if v} == {}
-
-
-def test_casting_is_mechanism_only():
-    """casting/ and patching/ know nothing of sessions, models, scaling or tools: activation is injected."""
-    upward = ("amp_patch.session", "amp_patch.scaling", "amp_patch.model", "amp_patch.parallel", "amp_patch.tools",
-              "amp_patch.legacy", "amp_patch.observe")
-    offenders = {name: sorted(m for m in deps if m.startswith(upward)) for name, deps in _imports().items()
-                 if name.startswith(("amp_patch.casting", "amp_patch.patching"))}
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
@@ -109,3 +169,23 @@ def test_every_process_wide_patch_besides_op_sites_is_catalogued():
     assert [s for s in others if s not in catalogued and s not in stepped
             and not s.startswith("torch.utils.checkpoint._checkpoint_without_reentrant_generator")] == []
     assert registry.installed() == []
+
+
+def test_one_module_names_every_weight_layout_the_policy_can_choose():
+    from amp_patch.config import opt_levels
+    from amp_patch.weights import layouts
+
+    chosen = set()
+    for level in opt_levels.OPT_LEVELS:
+        for api in opt_levels.APIS:
+            for sharded in (False, True):
+                for rounding in (None, "split"):
+                    try:
+                        props = opt_levels.resolve(level, api=api, fsdp2_sharded=sharded, master_rounding=rounding,
+                                                   half_dtype=torch.bfloat16)
+                    except Exception:
+                        continue
+                    chosen.add(props.weight_layout)
+    assert chosen == set(layouts.LAYOUTS)
+    for name in layouts.LAYOUTS:
+        assert f"\n{name} " in layouts.__doc__

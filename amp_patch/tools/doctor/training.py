@@ -7,10 +7,10 @@ import math
 
 import torch
 
-from ...scaling import scale_loss
+from ... import scale_loss
 from ...session import api as frontend
 from ..experiment.models import as_job
-from ..experiment.runner import Config, _batches
+from ..experiment.runner import Config, fixed_batches
 
 # "warmup": history()'s consecutive backoffs from the initial scale before the first applied step; "backoff": skips
 # for non-finite gradients alone (finite loss, no forward overflow) right after which the scaler applied a step at
@@ -65,7 +65,7 @@ def train(job, *, opt_level, half_dtype, steps, op_lists=None, seed=0):
     model = job.model_fn()
     optimizer = job.optimizer_fn(model)
     torch.manual_seed(seed + 1)
-    batches = _batches(job, Config(steps=steps, half_dtype=half_dtype, seed=seed))
+    batches = fixed_batches(job, Config(steps=steps, half_dtype=half_dtype, seed=seed))
     run = Run(opt_level)
     options = {"opt_level": opt_level, "verbosity": 0}
     if opt_level != "O0":

@@ -12,7 +12,7 @@ import multiprocessing
 import signal
 import time
 
-from .runner import VariantRun, _fail, job_from_ref, mark_interrupted, new_result, reset_peak_memory
+from .runner import VariantRun, fail_result, job_from_ref, mark_interrupted, new_result, reset_peak_memory
 
 
 def _child_main(conn):
@@ -34,7 +34,7 @@ def _serve_job(conn, job_ref, variant, config):
     try:
         run.job = job_from_ref(job_ref)
     except Exception as exc:
-        _fail(run.result, exc)
+        fail_result(run.result, exc)
     while True:
         try:
             command, arg = conn.recv()

@@ -75,7 +75,7 @@ def mark_interrupted(result, config):
     return result
 
 
-def _fail(result, exc):
+def fail_result(result, exc):
     result["status"] = "failed"
     result["error"] = f"{type(exc).__name__}: {exc}"
     result["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:])
@@ -161,7 +161,7 @@ class VariantRun:
         except Exception as exc:  # the report carries it; the other variants still run
             self.active = False
             if self.result["status"] == "ok":
-                _fail(self.result, exc)
+                fail_result(self.result, exc)
 
     def _build(self):
         job, config = as_job(self.job), self.config
@@ -169,7 +169,7 @@ class VariantRun:
         model = job.model_fn().to(self.device)
         optimizer = job.optimizer_fn(model)
         torch.manual_seed(config.seed + 1)
-        self.batches = _batches(job, config)
+        self.batches = fixed_batches(job, config)
         self.params = list(model.parameters())
         self.model, self.optimizer = self.runner.setup(model, optimizer)
         self.model.train()
@@ -265,7 +265,7 @@ def _record(step, loss, optimizer, runner, result):
     return True
 
 
-def _batches(job, config):
+def fixed_batches(job, config):
     """An endless iterator over the job's batches (a DataLoader, reshuffled each epoch from a seeded generator).
     ``data_fn`` runs now, before the variant's ``setup``: a job's data is made as its script would make it, in
     fp32, not under O1's patches (a lazy call ran the built-in jobs' teacher matmul in half under O1 only, so its

@@ -19,7 +19,7 @@ from torch import nn
 import amp_patch
 
 from ..experiment.models import call_job
-from ..experiment.runner import _batches
+from ..experiment.runner import fixed_batches
 from .probes import CastTimer, HostReads, ModuleTimer
 from .shapes import misaligned
 
@@ -117,7 +117,7 @@ class Harness:
         optimizer = call_job(self.spec, job.optimizer_fn, model)
         torch.manual_seed(config.seed + 1)
         data = self.m.data = call_job(self.spec, job.data_fn)
-        self.batches = _batches(dataclasses.replace(job, data_fn=lambda: data), config)
+        self.batches = fixed_batches(dataclasses.replace(job, data_fn=lambda: data), config)
         self.model, self.optimizer = _initialize(model, optimizer, self.opt_level, config.half_dtype)
         self.m.model, self.m.optimizer = self.model, self.optimizer
         self.modules = self.watched(self.model)
@@ -129,7 +129,7 @@ class Harness:
 
     def _batch(self):
         batch = next(self.batches)
-        if self.m.loader is None:  # the loader _batches iterates: the job's own DataLoader, or the one it built
+        if self.m.loader is None:  # the loader fixed_batches iterates: the job's own DataLoader, or the one it built
             self.m.loader = self.batches.gi_frame.f_locals.get("data") if self.batches.gi_frame else None
         return [t.to(self.device, non_blocking=True) if torch.is_tensor(t) else t for t in batch]
 

@@ -12,8 +12,8 @@ import logging
 
 import torch
 
+from ...._torch import dist as distributed
 from ....errors import ConfigError
-from ....parallel import ddp as distributed
 from ....scaling.optimizer_state import OptimizerState
 from ....scaling.scaler import LossScaler
 from ....scaling.stages import UNSCALED

@@ -34,11 +34,10 @@ import types
 import torch
 from torch.nn.modules import module as _module_mod
 
-from ..casting.interop.modules import FAST_PATH_TYPES
+from .._torch.hooks import FAST_PATH_TYPES, SessionHook
 from ..config.dtypes import FLOAT_DTYPES
 from ..errors import UsageError
 from . import thread_params
-from .transform import SessionHook
 
 #: How long ``remove`` (deinitialize) waits for calls other threads started just before it to end, polling.
 DRAIN_S, POLL_S = 60.0, 0.0005

@@ -18,13 +18,13 @@ log = logging.getLogger("amp_patch")
 _NAMES = ("clip_grad_norm_", "clip_grad_value_")
 
 
-def install(session, patcher):
-    """Patch the clipping functions (only where the session keeps two copies); undone by ``patcher``."""
-    props = session.props
-    if not props.master_weights or props.master_storage == "model":
+def install(props, opt_states, patcher):
+    """Patch the clipping functions (only where the policy keeps two copies); undone by ``patcher``.
+    ``opt_states``: the session's ``{id(optimizer): OptimizerState}``, read at each call."""
+    if not props.two_copy:
         return
     warned = []
-    masters = _MastersOf(session)
+    masters = _MastersOf(opt_states)
 
     def make(original):
         name = original.__name__
@@ -60,11 +60,11 @@ def install(session, patcher):
 class _MastersOf:
     """``{id(model param): master}`` over the session's optimizers, rebuilt when their pairs change."""
 
-    def __init__(self, session):
-        self.session, self.count, self.table = session, -1, {}
+    def __init__(self, opt_states):
+        self.opt_states, self.count, self.table = opt_states, -1, {}
 
     def current(self):
-        states = list(self.session.scaling.opt_states.values())
+        states = list(self.opt_states.values())
         count = sum(len(state.pairs) for state in states)
         if count != self.count:
             self.table = {id(param): master for state in states for param, master in state.pairs}

@@ -5,11 +5,13 @@ import warnings
 
 import torch
 
+from .._torch import dist
 from ..errors import ConfigError, UsageError
 from ..observe.overflow import bad_grads, skip_cause
 from ..parallel import ddp as distributed
-from ..session import state as _state
-from .stages import DOOMED
+from ..scaling.stages import DOOMED
+from . import state as _state
+from .master_sync import masters_out_of_sync
 
 
 def _optimizer_list(optimizers):
@@ -134,16 +136,16 @@ def check_idle_elsewhere(session):
 
 def _end(session, scaler, loss_id, states, delay_unscale, loss, delay_overflow_check=False):
     """Unscale (unless delayed), agree on overflow across ranks, update the scaler; drop cached casts."""
-    with _quiet(session):  # amp_patch's own bookkeeping ops must not run through the casting wrappers
+    with quiet(session):  # amp_patch's own bookkeeping ops must not run through the casting wrappers
         found_inf = False
         for state in states:
             found_inf |= state.after_backward(scaler, delay_unscale, keep_model_grads=apex_rules(session))
         if not delay_unscale:
-            found_inf = distributed.agree_overflow(found_inf)
+            found_inf = dist.agree_overflow(found_inf)
             if delay_overflow_check and apex_rules(session):  # the script's update_scale() decides (Apex)
                 scaler.deferred_overflow = bool(scaler.deferred_overflow) or found_inf
             else:
-                _finish_step(session, scaler, loss_id, states, found_inf, loss)
+                finish_step(session, scaler, loss_id, states, found_inf, loss)
     session.clear_cache()
 
 
@@ -189,25 +191,25 @@ class _BackwardProbe:
                              "scaled_loss.backward() inside the block")
 
 
-def _quiet(session):
+def quiet(session):
     return session.casting.engine.casts_disabled() if session.casting.engine is not None else contextlib.nullcontext()
 
 
 def _warn_if_masters_diverged(states):
     """Once per session: under DDP + master weights, rank 0's half params may have replaced ours."""
-    if not any(state.pairs for state in states) or distributed.world_size() == 1:
+    if not any(state.pairs for state in states) or dist.world_size() == 1:
         return
-    if distributed.masters_out_of_sync():
+    if masters_out_of_sync():
         warnings.warn("amp_patch: the fp32 master weights do not match the half model weights (DDP broadcast rank "
                       "0's half params at construction, the masters kept this rank's values). Call "
-                      "amp_patch.parallel.ddp.broadcast_master_params() once after wrapping the model in DDP, or "
+                      "amp_patch.distributed.broadcast_master_params() once after wrapping the model in DDP, or "
                       "build identical weights on every rank.", RuntimeWarning, stacklevel=4)
 
 
 def apex_rules(session):
     """The session was opened through Apex's API (``apex.amp`` / ``amp_patch.legacy.amp``): Apex's scaler
     rules apply (docs/migration.md): every unscaling exit updates the loss's scaler."""
-    return "apex" in session.extensions
+    return session.props is not None and session.props.api == "apex"
 
 
 def _counts(session, scaler, states, found_inf):
@@ -219,7 +221,7 @@ def _counts(session, scaler, states, found_inf):
     saw the whole accumulation (OptimizerState.before_backward), so an earlier loss's inf would count again."""
     if not states or not all(state.next_step is DOOMED for state in states):
         return True
-    if distributed.world_size() > 1:
+    if dist.world_size() > 1:
         return False
     if apex_rules(session):
         return True
@@ -241,7 +243,7 @@ def _unscaled_apex(session, scaler):
             and not (props is not None and props.master_weights))
 
 
-def _finish_step(session, scaler, loss_id, states, found_inf, loss=None):
+def finish_step(session, scaler, loss_id, states, found_inf, loss=None):
     if _unscaled_apex(session, scaler):
         if found_inf:
             _mark_skipped(states, scaler)

@@ -80,10 +80,24 @@ def _copy_attrs(opt, memo):
         if _not_the_steps(name, value):
             continue
         try:
-            saved[name] = copy.deepcopy(value, dict(memo))
+            saved[name] = (value, _snap(value, memo))
         except Exception:  # noqa: BLE001 - any object may refuse a copy: reported at an overflow
             uncopyable.append(name)
     return saved, uncopyable
+
+
+def _snap(value, memo):
+    """A copy of ``value``: tensors cloned detached (a loss kept with its graph too), params and held optimizers
+    themselves, containers rebuilt, anything else deep-copied (which may raise)."""
+    if id(value) in memo:
+        return memo[id(value)]
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if type(value) in (list, tuple, set):
+        return type(value)(_snap(v, memo) for v in value)
+    if type(value) is dict:
+        return {k: _snap(v, memo) for k, v in value.items()}
+    return copy.deepcopy(value, dict(memo))
 
 
 def _not_the_steps(name, value):
@@ -96,19 +110,20 @@ def _restore_attrs(opt, saved, uncopyable):
     current = vars(opt)
     for name in [n for n in current if n not in saved and n not in uncopyable and not _not_the_steps(n, current[n])]:
         delattr(opt, name)  # added by the step
-    for name, value in saved.items():
-        now = current.get(name)
-        if isinstance(now, torch.Tensor) and isinstance(value, torch.Tensor) and now.shape == value.shape \
-                and now.dtype == value.dtype:
+    for name, (original, value) in saved.items():
+        # the object the attribute held is put back, with its contents (whoever holds it sees the undo)
+        if isinstance(original, torch.Tensor) and original.shape == value.shape and original.dtype == value.dtype:
             with torch.no_grad():
-                now.copy_(value)  # (in place: whoever holds the tensor sees the undo)
-        elif isinstance(now, list) and isinstance(value, list):
-            now[:] = value
-        elif isinstance(now, dict) and isinstance(value, dict) and type(now) is type(value):
-            now.clear()
-            now.update(value)
-        else:
-            setattr(opt, name, value)
+                original.copy_(value)
+            value = original
+        elif type(original) is list:
+            original[:] = value
+            value = original
+        elif type(original) is dict:
+            original.clear()
+            original.update(value)
+            value = original
+        setattr(opt, name, value)
 
 
 def _inner_optimizers(optimizer):

@@ -332,7 +332,8 @@ class OptimizerState(ForeignGrads, NextStepStage):
             if masters.groups_checked():
                 self.set_aside, self.own_exit = [], None
             masters.before_step()
-        self.snapshot = StepSnapshot(optimizer) if closure is not None else None
+        if self.stepping == 1:  # (the outermost step: a subclass's step calling super().step() is one step)
+            self.snapshot = StepSnapshot(optimizer) if closure is not None else None
         if skipped:
             self.set_aside = []
             for group in optimizer.param_groups:
@@ -357,6 +358,8 @@ class OptimizerState(ForeignGrads, NextStepStage):
             self.engine.resume_after_step()
         self.stepping = max(self.stepping - 1, 0)
         incomplete = None
+        if self.stepping:  # (an inner step() of a subclass's super().step(): the outermost one undoes)
+            return
         if self.closure_overflow:  # (the scaler backed off already; the next step is not skipped for it)
             if self.snapshot is not None:  # (None: a scale_loss inside another optimizer's step without a closure)
                 try:

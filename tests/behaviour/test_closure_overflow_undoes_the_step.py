@@ -200,3 +200,38 @@ def test_an_attribute_that_cannot_be_copied_makes_the_overflow_raise_naming_it()
         opt.step(closure)
     assert not amp_patch.last_step_skipped(opt)
     assert opt.counter == 0  # what could be copied was put back
+
+
+class KeepsItsLoss(Lookahead):
+    """Keeps the closure's loss (with its graph) and a history list on the object, replaced and appended by step."""
+
+    def __init__(self, params):
+        super().__init__(params)
+        self.loss, self.history = None, []
+
+    def step(self, closure=None):
+        self.loss = super().step(closure)
+        self.history.append(float(self.loss))
+        return self.loss
+
+
+def test_attributes_holding_a_loss_with_its_graph_are_put_back():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = KeepsItsLoss(model.parameters())
+    model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=HALF, verbosity=0)
+    x = torch.randn(8, 4)
+
+    def closure(bad=False):
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean() * (float("inf") if bad else 1.0)
+        with amp_patch.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        return loss
+
+    opt.step(closure)
+    loss, history, counter = opt.loss, list(opt.history), opt.counter
+    opt.step(lambda: closure(bad=True))
+    assert amp_patch.last_step_skipped(opt)
+    assert opt.loss is loss and opt.history == history and opt.counter == counter
+    amp_patch.deinitialize()

@@ -37,7 +37,7 @@ from torch.nn.modules import module as _module_mod
 from .._torch.hooks import FAST_PATH_TYPES, SessionHook
 from ..config.dtypes import FLOAT_DTYPES
 from ..errors import UsageError
-from . import thread_params
+from . import reentry, thread_params
 
 #: How long ``remove`` (deinitialize) waits for calls other threads started just before it to end, polling.
 DRAIN_S, POLL_S = 60.0, 0.0005
@@ -183,7 +183,7 @@ class ComputeCopies:
         state = self._state()
         state.depth += 1
         if state is self.call:
-            self._count(state.depth)
+            self.count_call(state.depth)
         if state.depth == 1:
             state.called = called
             self._swap_in(state, called)
@@ -214,7 +214,7 @@ class ComputeCopies:
                 params[name] = copy
             state.swapped.append((module, params, name, p, copy, copy._version))
             touched.add(module)
-        _refresh_flat_weights(touched)
+        thread_params.refresh_flat_weights(touched)
 
     def _swap_traced(self, state, slots):
         """Under dynamo: the copies go into the shared dicts (the compiled call is one thread's call)."""
@@ -229,7 +229,7 @@ class ComputeCopies:
                 copy = copies[id(p)] = p.to(self.dtype)
             dict.__setitem__(params, name, copy)
             state.swapped.append((module, params, name, p, copy, None))
-        _refresh_flat_weights({m for m, _ in slots})
+        thread_params.refresh_flat_weights({m for m, _ in slots})
 
     def uninstall(self, output=None):
         """A call ends: the outermost one drops its copies. A generator it returned re-enters the call, on the
@@ -239,17 +239,18 @@ class ComputeCopies:
             return None
         state.depth -= 1
         if state is self.call:
-            self._count(state.depth)
+            self.count_call(state.depth)
         called = state.called
         if state.depth:
             return None
         kept = list(state.swapped)
         self._put_back(state)
         if isinstance(output, types.GeneratorType) and state is self.call:
-            return _resumed_in_call(self, called, kept, output)
+            return reentry.resumed_in_call(self, called, kept, output)
         return None
 
-    def _count(self, depth):
+    def count_call(self, depth):
+        """Note this thread's call depth (deinitialize waits for and refuses around other threads' calls)."""
         with self.lock:
             if depth:
                 self.calls[threading.get_ident()] = depth
@@ -258,12 +259,12 @@ class ComputeCopies:
 
     def resume(self, called, kept):
         """Context manager: a generator's resumption runs in its call again, on the call's copies ``kept``."""
-        return _Resumed(self, called, kept)
+        return reentry.Resumed(self, called, kept)
 
     def reenter(self, called):
         """Context manager: run code of a call of ``called`` that runs outside its extent (a checkpointed
         segment's recomputation) with this thread's copies, unless a call is in progress here already."""
-        return _Reentered(self, called)
+        return reentry.Reentered(self, called)
 
     def restore(self):
         """Put back what a call of this thread left and forget it (deinitialize after an interrupted call)."""
@@ -291,7 +292,7 @@ class ComputeCopies:
                 _write_back(param, copy)
             touched.add(module)
         state.called = None
-        _refresh_flat_weights(touched)
+        thread_params.refresh_flat_weights(touched)
 
     def busy_threads(self):
         """Idents of the threads with a call of the model in progress."""
@@ -341,63 +342,6 @@ def check_no_calls_elsewhere():
                     "them) first, then deinitialize()")
 
 
-class _Reentered:
-    def __init__(self, copies, called):
-        self.copies, self.called, self.entered = copies, called, False
-
-    def __enter__(self):
-        copies = self.copies
-        if copies.live and copies.in_call() is None:
-            copies.install(self.called)
-            self.entered = True
-        return self
-
-    def __exit__(self, *exc):
-        if self.entered:
-            self.copies.uninstall()
-        return False
-
-
-class _Resumed:
-    def __init__(self, copies, called, kept):
-        self.copies, self.called, self.kept, self.entered = copies, called, kept, False
-
-    def __enter__(self):
-        copies, state = self.copies, self.copies.call
-        if not copies.live or state.depth:
-            return self
-        state.depth, state.called, self.entered = 1, self.called, True
-        copies._count(1)
-        touched = set()
-        for module, params, name, param, copy, _ in self.kept:
-            if dict.get(params, name) is param and isinstance(params, thread_params.ThreadParams):
-                params.overlay()[name] = copy
-                state.swapped.append((module, params, name, param, copy, copy._version))
-                touched.add(module)
-        _refresh_flat_weights(touched)
-        return self
-
-    def __exit__(self, *exc):
-        if self.entered:
-            self.copies.uninstall()
-        return False
-
-
-def _resumed_in_call(copies, called, kept, generator):
-    """A generator forward's body runs at each resumption, after its call returned: each runs in the call, on
-    the call's copies."""
-    try:
-        while True:
-            with copies.resume(called, kept):
-                try:
-                    item = next(generator)
-                except StopIteration as stop:
-                    return stop.value
-            yield item
-    finally:
-        generator.close()
-
-
 def _cast(param, dtype, inference):
     """A compute copy; under inference_mode a normal tensor (an inference tensor has no version counter, and an
     in-place edit, Embedding's max_norm, must still be written back)."""
@@ -419,10 +363,3 @@ def _write_back(param, copy):
     with torch.inference_mode(False), torch.no_grad():
         edited = copy.ne(param.to(copy.dtype))
         param.copy_(torch.where(edited, copy.to(param.dtype), param))
-
-
-def _refresh_flat_weights(modules):
-    """RNN modules read their weights from ``_flat_weights``, a list rebuilt from ``_parameters``."""
-    for module in modules:
-        if isinstance(module, torch.nn.RNNBase):
-            module._init_flat_weights()

@@ -15,6 +15,8 @@ call: a compiled call is one thread's call.
 """
 import threading
 
+import torch
+
 
 class ThreadParams(dict):
     """``module._parameters`` of a module whose params O2 casts (see the module docstring)."""
@@ -103,3 +105,10 @@ def uninstall(module):
     params = module.__dict__.get("_parameters")
     if isinstance(params, ThreadParams):
         module.__dict__["_parameters"] = dict(dict.items(params))
+
+
+def refresh_flat_weights(modules):
+    """RNN modules read their weights from ``_flat_weights``, a list rebuilt from ``_parameters``."""
+    for module in modules:
+        if isinstance(module, torch.nn.RNNBase):
+            module._init_flat_weights()

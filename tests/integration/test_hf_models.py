@@ -122,7 +122,7 @@ def test_zoo_matches_the_reference_bitwise(name, variant):
 
 @pytest.mark.parametrize("name,variant", zoo.QUICK_COMPILED, ids=[f"{n}-{v}" for n, v in zoo.QUICK_COMPILED])
 def test_zoo_compiled_within_tolerance(name, variant):
-    _check(name, variant, compile=True, steps=zoo.QUICK_STEPS)
+    _check(name, variant, compile=True, steps=1)
 
 
 FULL = [(n, v) for n in zoo.ZOO for v in zoo.VARIANTS]

@@ -270,6 +270,11 @@ QUICK = [(name, "O2-bf16") for name in (
     "encoder-ckpt-nonreentrant", "encoder-ckpt-reentrant", "transformer", "resnet", "lstm-seq2seq")] + [
     ("bert-eager", "O1-fp16"), ("resnet", "O1-bf16"), ("transformer", "O3-fp16"),
     ("encoder-ckpt-nonreentrant", "O2-fp16"), ("lstm-seq2seq", "O3-bf16")]
+#: pairs not bitwise in eager mode, with the bound they hold and why (an open finding, not a tolerance to widen):
+#: O1 with HF BERT's reentrant gradient checkpointing differs from native autocast by ~2e-7 (bf16) / ~2e-6 (fp16)
+#: in fp32 grads of the embeddings and layer 0, deterministically (the same run twice is bitwise); GPT-2 and Llama
+#: with the same checkpointing are bitwise, and so is BERT without it
+KNOWN_GAPS = {("bert-ckpt-reentrant", "O1-bf16"): 1e-6, ("bert-ckpt-reentrant", "O1-fp16"): 1e-5}
 #: compiled in the default suite (1 step: the compile dominates)
 QUICK_COMPILED = [("encoder", "O2-bf16"), ("encoder-norm-first", "O1-bf16")]
 

@@ -8,7 +8,7 @@ from torch.nn import functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, TensorDataset
 
 N, DIM, HIDDEN, CLASSES, BATCH = 512, 64, 512, 16, 64
-SLOW_ITEM_S = 0.001  # per item: 64 ms per batch, far beyond the model's step
+SLOW_ITEM_S = 0.004  # per item: 256 ms per batch, far beyond the model's step (~100 ms in software bf16)
 
 
 def _mlp():

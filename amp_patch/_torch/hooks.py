@@ -83,12 +83,12 @@ def forward_pre_hook(module, hook, with_kwargs=False):
     return _module_mod.register_module_forward_pre_hook(global_hook)
 
 
-def forward_hook(module, hook):
+def forward_hook(module, hook, always_call=False):
     """``module.register_forward_hook`` unless a hook would cost ``module`` its fused fast path."""
-    return forward_hooks([(module, hook)])[0]
+    return forward_hooks([(module, hook)], always_call)[0]
 
 
-def forward_hooks(pairs):
+def forward_hooks(pairs, always_call=False):
     """Forward hooks for many ``(module, hook)`` pairs; returns the handles.
 
     Modules that are (or sit inside) a fast-path layer share one global hook that looks the module up, so the
@@ -100,13 +100,13 @@ def forward_hooks(pairs):
         if id(module) in inside:
             dispatch[id(module)] = (module, hook)
         else:
-            handles.append(module.register_forward_hook(hook))
+            handles.append(module.register_forward_hook(hook, always_call=always_call))
     if dispatch:
         def global_hook(mod, args, out):
             found = dispatch.get(id(mod))
             return found[1](mod, args, out) if found is not None and found[0] is mod else None
 
-        handles.append(_module_mod.register_module_forward_hook(global_hook))
+        handles.append(_module_mod.register_module_forward_hook(global_hook, always_call=always_call))
     return handles
 
 

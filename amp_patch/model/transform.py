@@ -11,10 +11,13 @@ The hooks are objects of the classes below, so a model can be pickled (``torch.s
 its state_dict hooks become inert (its ``state_dict()`` is its own tensors, in their current dtypes) while its
 input/output casts keep following its own weights (see :class:`CastInputs`).
 """
+import threading
+import types
+
 import torch
 from torch.nn.modules import module as _module_mod
 
-from .._torch.hooks import ForwardHook, InertHook, SessionHook, forward_hook, forward_pre_hook  # noqa: F401 (InertHook: pickles name it here)
+from .._torch.hooks import FAST_PATH_TYPES, ForwardHook, InertHook, SessionHook, forward_hook, forward_pre_hook  # noqa: F401 (InertHook: pickles name it here)
 from ..casting.wrappers import cast_tree
 from ..config.dtypes import FLOAT_DTYPES, HALF_DTYPES
 from ..errors import UsageError
@@ -77,6 +80,7 @@ class RegistrationWatch:
     def install(self):
         self.handles.append(_module_mod.register_module_module_registration_hook(self._bump))
         self.handles.append(_module_mod.register_module_parameter_registration_hook(self._bump))
+        self.handles.append(_module_mod.register_module_buffer_registration_hook(self._bump))
         return self
 
     def remove(self):
@@ -85,7 +89,8 @@ class RegistrationWatch:
             self.handles[-1].remove()
             self.handles.pop()
         for hooks in (_module_mod._global_module_registration_hooks,
-                      _module_mod._global_parameter_registration_hooks):
+                      _module_mod._global_parameter_registration_hooks,
+                      _module_mod._global_buffer_registration_hooks):
             for key in [key for key, hook in hooks.items() if hook == self._bump]:
                 del hooks[key]
 
@@ -138,12 +143,14 @@ class CastInputs(ForwardHook):
         self.fp64 = fp64  # the apex alias: float64 inputs are cast too (Apex's to_type)
         self.checked = watch.generation
 
-    def __call__(self, module, args, kwargs):
+    def __call__(self, module, args, kwargs=None):
         dtype = self.like.dtype(self.dtype)
         self.like.check(module, dtype)
         if self.watch.generation != self.checked:
             _check_dtypes(module, dtype, self.keep_types)
             self.checked = self.watch.generation
+        if kwargs is None:  # (torch calls a hook removed during this call, by deinitialize, without them)
+            return _cast_once(args, {}, dtype, getattr(self, "fp64", False))[0]
         return _cast_once(args, kwargs, dtype, getattr(self, "fp64", False))
 
 
@@ -163,18 +170,61 @@ def _check_dtypes(model, dtype, keep_types):
 
 
 class CastOutputs(ForwardHook):
-    """Forward hook: floating outputs to a fixed dtype (``cast_model_outputs``, fp32 by default); ``fp64``: float64
-    outputs too (the apex alias, as Apex's ``to_type``)."""
+    """Forward hook (``always_call``): floating outputs to a fixed dtype (``cast_model_outputs``, fp32 by default);
+    ``fp64``: float64 outputs too (the apex alias, as Apex's ``to_type``). Only the outermost call of the model in
+    a thread casts (its pre-hook :class:`EnterCall` counts): a recursive forward (``self(h, depth - 1)``) feeds the
+    inner call's output to the outer call's half weights. The items a generator forward yields are cast."""
 
     skip = None  # a model passed with one of its outer models: ``skip()`` is true inside the outer's forward
 
     def __init__(self, dtype, fp64=False):
         self.dtype, self.fp64 = dtype, fp64
+        self.depths = {}  # thread ident -> calls of the model in progress
+
+    def __getstate__(self):  # (a copy of the model is not inside this model's calls)
+        return {**self.__dict__, "depths": {}}
+
+    def entered(self):
+        if not torch.compiler.is_compiling():
+            depths, ident = self.depths, threading.get_ident()
+            depths[ident] = depths.get(ident, 0) + 1
 
     def __call__(self, module, args, out):
+        depths = getattr(self, "depths", None)
+        if depths is not None and not torch.compiler.is_compiling():
+            ident = threading.get_ident()
+            depth = depths.pop(ident, 0)
+            if depth > 1:
+                depths[ident] = depth - 1
+                return None
         if self.skip is not None and self.skip():
             return None  # (session/nested_models.py: the outer model's own output cast applies)
-        return cast_tree(out, _caster(self.dtype, getattr(self, "fp64", False)))
+        cast = _caster(self.dtype, getattr(self, "fp64", False))
+        if isinstance(out, types.GeneratorType):
+            return _cast_items(out, cast)
+        return cast_tree(out, cast)
+
+
+def _cast_items(generator, cast):
+    try:
+        while True:
+            try:
+                item = next(generator)
+            except StopIteration as stop:
+                return stop.value
+            yield cast_tree(item, cast)
+    finally:
+        generator.close()
+
+
+class EnterCall(ForwardHook):
+    """Forward pre-hook of a model whose outputs are cast: a call starts (:meth:`CastOutputs.entered`)."""
+
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+    def __call__(self, module, args):
+        self.outputs.entered()
 
 
 class CastArgsTo(ForwardHook):
@@ -231,6 +281,13 @@ class ModelPatch:
                 t.data = t.data.to(dtype)
         return old_data
 
+    def _adopt_buffer(self, module, name, buffer, dtype):
+        """A float buffer registered after initialize is cast as initialize cast the others (and restored)."""
+        if id(buffer) not in self.kept:
+            self.kept[id(buffer)] = buffer.data
+            self.buffers.append((module, name, buffer, buffer.dtype))
+        buffer.data = buffer.data.to(dtype)
+
     def commit(self):
         """initialize succeeded: stop holding the params' pre-initialize data (the masters hold what O2 needs).
         Buffers keep theirs (they are small): one the session never changed gets its exact fp32 value back."""
@@ -238,9 +295,15 @@ class ModelPatch:
         self.kept = {k: v for k, v in self.kept.items() if k in buffer_ids}
 
     def cast_outputs(self, output_dtype, fp64=False):
-        """Cast the model's floating outputs to ``output_dtype`` (O1's ``cast_model_outputs``)."""
-        self.output_casts.append(CastOutputs(output_dtype, fp64))
-        self.handles.append(forward_hook(self.model, self.output_casts[-1]))
+        """Cast the model's floating outputs to ``output_dtype`` (O1's ``cast_model_outputs``) at its outermost
+        call in a thread."""
+        outputs = CastOutputs(output_dtype, fp64)
+        self.output_casts.append(outputs)
+        if isinstance(self.model, FAST_PATH_TYPES):
+            self.handles.append(forward_pre_hook(self.model, EnterCall(outputs)))
+        else:
+            self.handles.append(self.model.register_forward_pre_hook(EnterCall(outputs), prepend=True))
+        self.handles.append(forward_hook(self.model, outputs, always_call=True))
 
     def cast_io(self, input_dtype, output_dtype, keep_types, compute_copies=False, fp64=False):
         """Cast floating inputs of the model to its weights' dtype and its outputs to ``output_dtype``.
@@ -252,6 +315,7 @@ class ModelPatch:
         watch.install()
         if compute_copies:
             copies = ComputeCopies(self.model, input_dtype, keep_types, watch, self.like.slots)
+            copies.adopt = lambda module, name, buffer: self._adopt_buffer(module, name, buffer, input_dtype)
             self.handles.append(copies)
             copies.attach()
         self.handles.append(forward_pre_hook(self.model, CastInputs(self.like, input_dtype, keep_types, watch, fp64),
@@ -277,15 +341,9 @@ class ModelPatch:
         master)``, if given, is the half value the model param then gets (else torch's cast of the loaded one)."""
         if not self.original_dtypes and not self.buffers:
             return
-        params, buffers = _names_by_id(self.model)
-        restored = []  # (name, original dtype, master or None, param or None)
-        for pid, (param, dtype) in self.original_dtypes.items():
-            restored += [(name, dtype, masters.get(pid), param) for name in params.get(pid, ())]
-        for module, name, _, dtype in self.buffers:
-            restored += [(path + name, dtype, None, None) for path in buffers.get(id(module), ())]
-        for module, own in self._restored_per_module(masters):
-            self.handles.append(module.register_state_dict_post_hook(StateDictHook(own, to_model)))
-        self.handles.append(self.model.register_load_state_dict_pre_hook(LoadMastersHook(restored, to_model)))
+        for module, own in self._restored_per_module(masters):  # (a submodule's own load also reaches the
+            self.handles.append(module.register_state_dict_post_hook(StateDictHook(own, to_model)))  # masters)
+            self.handles.append(module.register_load_state_dict_pre_hook(LoadMastersHook(own, to_model)))
 
     def _restored_per_module(self, masters):
         """``(module, its own entries)`` for every module holding something amp_patch cast: each module's
@@ -325,12 +383,3 @@ class ModelPatch:
         self.buffers.clear()
         self.kept = {}
 
-
-def _names_by_id(model):
-    """``{id(param): [every name]}`` and ``{id(module): [every "path." prefix]}``, duplicates (ties) kept."""
-    params, modules = {}, {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        params.setdefault(id(param), []).append(name)
-    for path, module in model.named_modules(remove_duplicate=False):
-        modules.setdefault(id(module), []).append(path + "." if path else "")
-    return params, modules

@@ -10,7 +10,14 @@ Adam's moments and step count still move on zero grads. So a closure step keeps 
 - ``optimizer.state``: each param's entries, tensors cloned and containers copied one level (LBFGS's history lists
   are appended to, their tensors are never written in place);
 - each param group's hyper-parameters (anything besides ``params``);
+- every other attribute of the optimizer object (what ``step()`` can change is the whole object: a Lookahead's
+  step counter and slow weights, a schedule's internal count): deep-copied as the step begins (the params, and
+  the optimizers it holds, stay themselves), put back, and one the step added is removed; torch's own bookkeeping
+  of ``Optimizer`` (hooks, ``defaults``) is left alone;
 - the same for optimizers the optimizer holds as attributes (SAM's ``base_optimizer``, a wrapper's inner optimizer).
+
+An attribute that cannot be copied (a lock, a generator, a handle) cannot be put back: the undo restores the rest
+and then raises :class:`~amp_patch.UsageError` naming it, rather than report a step skipped that was not.
 
 The copy costs one pass over the params and the state per closure step (its figure: docs/usage.md, "An overflow
 inside an optimizer's closure"); steps without a closure keep nothing.
@@ -18,6 +25,11 @@ inside an optimizer's closure"); steps without a closure keep nothing.
 import copy
 
 import torch
+
+from ..errors import UsageError
+
+#: attributes every torch optimizer has (torch's bookkeeping: hooks, defaults, profiling names), not the step's
+_BASE = frozenset(vars(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))) | {"param_groups", "state"}
 
 
 class StepSnapshot:
@@ -31,9 +43,14 @@ class StepSnapshot:
         self.states = [(opt, {p: _copy_entries(s) for p, s in opt.state.items()}) for opt in self.optimizers]
         self.groups = [(g, {k: _copy_value(v) for k, v in g.items() if k != "params"})
                        for opt in self.optimizers for g in opt.param_groups]
+        memo = {id(p): p for p in params}
+        memo.update((id(opt), opt) for opt in self.optimizers)
+        self.attrs = [(opt, _copy_attrs(opt, memo)) for opt in self.optimizers]
 
     def restore(self):
-        """Put the params, the optimizer state and the groups' hyper-parameters back; the grads go (a skip)."""
+        """Put the params, the optimizer state, the groups' hyper-parameters and the optimizer's own attributes
+        back; the grads go (a skip). Raises :class:`UsageError` (after the rest) naming the attributes that could
+        not be copied."""
         with torch.no_grad():
             for p, value in zip(self.params, self.values):
                 p.copy_(value)
@@ -43,6 +60,70 @@ class StepSnapshot:
             opt.state.update(saved)
         for group, saved in self.groups:
             group.update(saved)
+        lost = []
+        for opt, (saved, uncopyable) in self.attrs:
+            _restore_attrs(opt, saved, uncopyable)
+            lost += [f"{type(opt).__name__}.{name} ({type(getattr(opt, name, None)).__name__})" for name in uncopyable]
+        if lost:
+            raise UsageError(
+                f"an overflow in the closure of {type(self.optimizers[0]).__name__}.step(closure): amp_patch put "
+                f"back the params, the optimizer state and the param groups, but cannot put back {', '.join(lost)}: "
+                "it could not be copied as the step began (copy.deepcopy failed), so the step is not undone "
+                "completely and is not reported skipped. Make the attribute deep-copyable (or keep it off the "
+                "optimizer object), or step without a closure (scale_loss around the backward, then step())")
+
+
+def _copy_attrs(opt, memo):
+    """``({name: deep copy}, [names that could not be copied])`` of the optimizer's own attributes."""
+    saved, uncopyable = {}, []
+    for name, value in vars(opt).items():
+        if _not_the_steps(name, value):
+            continue
+        try:
+            saved[name] = (value, _snap(value, memo))
+        except Exception:  # noqa: BLE001 - any object may refuse a copy: reported at an overflow
+            uncopyable.append(name)
+    return saved, uncopyable
+
+
+def _snap(value, memo):
+    """A copy of ``value``: tensors cloned detached (a loss kept with its graph too), params and held optimizers
+    themselves, containers rebuilt, anything else deep-copied (which may raise)."""
+    if id(value) in memo:
+        return memo[id(value)]
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if type(value) in (list, tuple, set):
+        return type(value)(_snap(v, memo) for v in value)
+    if type(value) is dict:
+        return {k: _snap(v, memo) for k, v in value.items()}
+    return copy.deepcopy(value, dict(memo))
+
+
+def _not_the_steps(name, value):
+    """torch's bookkeeping, amp_patch's, the optimizers it holds (restored on their own) and models it refers to
+    (a step updates their params, which are restored as params)."""
+    return (name in _BASE or name.startswith("_amp") or isinstance(value, (torch.optim.Optimizer, torch.nn.Module)))
+
+
+def _restore_attrs(opt, saved, uncopyable):
+    current = vars(opt)
+    for name in [n for n in current if n not in saved and n not in uncopyable and not _not_the_steps(n, current[n])]:
+        delattr(opt, name)  # added by the step
+    for name, (original, value) in saved.items():
+        # the object the attribute held is put back, with its contents (whoever holds it sees the undo)
+        if isinstance(original, torch.Tensor) and original.shape == value.shape and original.dtype == value.dtype:
+            with torch.no_grad():
+                original.copy_(value)
+            value = original
+        elif type(original) is list:
+            original[:] = value
+            value = original
+        elif type(original) is dict:
+            original.clear()
+            original.update(value)
+            value = original
+        setattr(opt, name, value)
 
 
 def _inner_optimizers(optimizer):

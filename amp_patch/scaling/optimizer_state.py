@@ -42,6 +42,7 @@ import threading
 import torch
 
 from .._torch import dist as distributed
+from ..errors import UsageError
 from ..weights.masters import TwoCopyMasters
 from .closure_steps import StepSnapshot
 from .foreign_grads import ForeignGrads
@@ -345,7 +346,8 @@ class OptimizerState(ForeignGrads, NextStepStage):
             if masters.groups_checked():
                 self.set_aside, self.own_exit = [], None
             masters.before_step()
-        self.snapshot = StepSnapshot(optimizer) if closure is not None else None
+        if self.stepping == 1:  # (the outermost step: a subclass's step calling super().step() is one step)
+            self.snapshot = StepSnapshot(optimizer) if closure is not None else None
         if skipped:
             self.set_aside = []
             for group in optimizer.param_groups:
@@ -369,13 +371,21 @@ class OptimizerState(ForeignGrads, NextStepStage):
         if self.engine is not None:
             self.engine.resume_after_step()
         self.stepping = max(self.stepping - 1, 0)
+        incomplete = None
+        if self.stepping:  # (an inner step() of a subclass's super().step(): the outermost one undoes)
+            return
         if self.closure_overflow:  # (the scaler backed off already; the next step is not skipped for it)
             if self.snapshot is not None:  # (None: a scale_loss inside another optimizer's step without a closure)
-                self.snapshot.restore()
-            self.last_skipped, self.next_step, self.closure_overflow = True, READY, False
+                try:
+                    self.snapshot.restore()
+                except UsageError as exc:  # an attribute it could not copy: raised once the step is finished
+                    incomplete = exc
+            self.last_skipped, self.next_step, self.closure_overflow = incomplete is None, READY, False
         self.snapshot = None
         if self.masters is not None:
             self.masters.after_step(self.last_skipped)
+        if incomplete is not None:
+            raise incomplete
 
     # -- teardown -------------------------------------------------------------------------------
     def restore(self):

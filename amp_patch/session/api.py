@@ -10,6 +10,7 @@ from ..casting.engine import CastingEngine
 from ..casting.interop import modules as module_compat
 from ..config.opt_levels import resolve
 from ..errors import ConfigError
+from ..model import conversion_guard, recompute_copies
 from ..model.compile_guards import HookGuards
 from ..model.transform import ModelPatch, SparseEmbedding
 from ..observe.overflow import OverflowDiagnoser, StepHistory
@@ -20,6 +21,7 @@ from ..patching.patcher import Patcher
 from ..scaling.optimizer_state import OptimizerState
 from ..scaling.scaler import load_state_dict_into, state_dict_for
 from ..weights import clip_check
+from ..weights.compute_copies import check_no_calls_elsewhere
 from ..weights.storage import make_storage
 from . import data_loading, nested_models
 from . import state as _state
@@ -34,6 +36,7 @@ from .checks import (  # noqa: F401
     as_list,
     check_cast_engine,
     check_incoming_fp32,
+    check_no_inner_optimizers,
     check_no_shared_params,
     check_step_hooks,
     hybrid_device_types,
@@ -82,6 +85,7 @@ def open_session(call, api):
     # every argument is checked before anything is touched: a ConfigError leaves the models as they were
     _check_optimizers_train_models(props, model_list, opt_list)
     check_no_shared_params(props, opt_list, model_list)
+    check_no_inner_optimizers(props, opt_list)
     scalers = _make_scalers(props, c.num_losses, c.min_loss_scale, c.max_loss_scale, c.growth_factor,
                             c.backoff_factor, c.growth_interval, c.hysteresis)
     table = _check_the_rest(props, c.history_size, c.op_lists, model_list)
@@ -203,6 +207,10 @@ def _prepare_models(session, models):
         guards = HookGuards()
         session.undo.append(guards.restore)  # first: an interrupt inside install leaves nothing behind
         guards.install()
+        recompute = Patcher()
+        session.undo.append(recompute.restore_all)
+        recompute_copies.install(recompute)
+        conversion_guard.install(recompute)
     for model in models:
         patch = ModelPatch(model)
         session.casting.model_patches.append(patch)
@@ -368,6 +376,7 @@ def deinitialize():
     if session is None:
         return  # an open autocast() region (no session) keeps its engine: it removes its own patches on exit
     check_idle_elsewhere(session)
+    check_no_calls_elsewhere()
     closed = False
     try:
         _state.deactivate()

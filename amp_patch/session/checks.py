@@ -73,6 +73,29 @@ def check_no_shared_params(props, optimizers, models, attached=()):
                     "{'params': b, 'lr': 1e-3}]))")
 
 
+def check_no_inner_optimizers(props, optimizers):
+    """The two-copy layout (``master_weights="remainder"``, ``master_rounding="split"``, the apex alias) puts the fp32
+    masters into the optimizer's own param groups. An optimizer that steps another optimizer it built over the
+    params with groups of its own (``ZeroRedundancyOptimizer``, a sharding wrapper) would step the half model
+    params and the masters would never move: refused, naming the layout that can."""
+    if not props.two_copy:
+        return
+    for opt in optimizers:
+        held = {id(p) for p in held_params(opt)}
+        groups = {id(g) for g in opt.param_groups}
+        for name, inner in vars(opt).items():
+            if not isinstance(inner, torch.optim.Optimizer) or inner is opt:
+                continue
+            if any(id(g) not in groups and any(id(p) in held for p in g["params"]) for g in inner.param_groups):
+                raise UsageError(
+                    f"{type(opt).__name__} steps an inner optimizer ({name!r}, a {type(inner).__name__}) with param "
+                    "groups of its own; this O2 layout (master_weights='remainder', master_rounding='split' or "
+                    "the apex alias: half model params, fp32 masters in the optimizer's groups) gives the masters "
+                    "only to the outer optimizer, so the inner one would step the half params and the masters would "
+                    "never move. Use O2 with the default master_weights=True from amp_patch (not the apex alias): "
+                    "the fp32 model params are then the masters and any optimizer steps them")
+
+
 def as_list(objs, what, kind):
     if objs is None:
         return []

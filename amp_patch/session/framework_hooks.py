@@ -15,7 +15,7 @@ from .._torch import dist as distributed
 from ..errors import UsageError
 from ..scaling.stages import DOOMED
 from .api import as_list, attach_optimizer_states, link_masters
-from .checks import check_no_shared_params, check_step_hooks, held_params
+from .checks import check_no_inner_optimizers, check_no_shared_params, check_step_hooks, held_params
 from .scale_loss import finish_step, quiet
 from .state import current_session
 
@@ -42,6 +42,7 @@ def attach_optimizers(optimizers, *, unscale_loss_id=None):
     attached = [(state.optimizer, [p for pair in state.pairs for p in pair] + held_params(state.optimizer))
                 for state in session.scaling.opt_states.values()]
     check_no_shared_params(session.props, opt_list, session.models, attached)
+    check_no_inner_optimizers(session.props, opt_list)
     _follow_devices(session.fp32_data, opt_list)
     attach_optimizer_states(session, opt_list, session.fp32_data)
     states = [session.scaling.state_for(opt) for opt in opt_list]

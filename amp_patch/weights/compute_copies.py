@@ -1,11 +1,18 @@
 """O2's weights have one owner: the model's registered fp32 parameters. Half weights are compute copies.
 
-For each outermost call of a model amp_patch cast (O2, ``master_weights=True``), :class:`ComputeCopies` puts a
-half copy of every cast parameter into ``module._parameters`` for the duration of the call and the registered
-fp32 parameters back when it returns *or raises* (a forward hook with ``always_call``). A copy is
-``param.to(half)``, a non-leaf of the fp32 parameter: autograd carries its grad back into ``param.grad`` in fp32,
-so grads accumulate in fp32 on the parameter itself. A parameter used under several names (tied weights) is cast
-once per call. This is the layout of FSDP2's ``MixedPrecisionPolicy``.
+For each outermost call of a model amp_patch cast (O2, ``master_weights=True``), :class:`ComputeCopies` makes a
+half copy of every cast parameter, ``param.to(half)``, a non-leaf of the fp32 parameter: autograd carries its
+grad back into ``param.grad`` in fp32, so grads accumulate in fp32 on the parameter itself. A parameter used
+under several names (tied weights) is cast once per call. This is the layout of FSDP2's ``MixedPrecisionPolicy``.
+
+**The copies are the state of one call in one thread.** They live in that thread's overlay of the modules'
+``_parameters`` (:mod:`.thread_params`) from the call's start until it returns *or raises*: other threads read
+the fp32 params meanwhile (a training thread clipping ``model.parameters()`` beside a background evaluation), and
+several threads may call the model at once, each on its own copies. Code of the call that runs outside its
+extent re-enters it: a checkpointed segment recomputed during backward (:mod:`.recompute_copies`, reentrant or
+not, whatever the segment reads), each resumption of a generator a forward returned. A module owning cast params
+called on its own (a submodule, a checkpointed layer, a ``TransformerEncoderLayer``: its hooks are torch's global
+ones, filtered to it, so it keeps its fused kernel) makes copies of its own params for its call.
 
 Between calls the model holds only its fp32 parameters: every optimizer (closures, wrappers that step an inner
 optimizer), EMA copy, ``load_state_dict`` (of the model or of a submodule), ``clip_grad_norm_(model.parameters())``,
@@ -14,83 +21,27 @@ in-place edit and ``deepcopy`` sees the one value there is; nothing is kept in s
 Params of modules kept fp32 (``keep_batchnorm_fp32``, ``keep_fp32_modules``) are not copied. Modules added after
 initialize get copies from their next call on (the registration watch re-collects the slots). An RNN's
 ``_flat_weights`` are rebuilt around the swap. An in-place edit of a copy during the call (``nn.Embedding``'s
-``max_norm``, a forward pre-hook clamping weights) is written back into the fp32 param when the call ends (edits
-through ``.data`` bypass the version counter and stay on the copy: edit the params between steps). Calls of one
-model from several threads take turns: one thread's call holds the copies until it returns.
-The slots are shared with :class:`~.transform.WeightSlots`, so
-the input cast follows the weights the forward uses (a deepcopy of the model, whose hooks are inert, runs in
-fp32 on fp32 inputs).
+``max_norm``, a forward pre-hook clamping weights; also under ``torch.inference_mode``, whose copies are made as
+normal tensors to keep their version counters) is written back into the fp32 param when the call ends (edits
+through ``.data`` bypass the version counter and stay on the copy: edit the params between steps). The slots are
+shared with :class:`~.transform.WeightSlots`, so the input cast follows the weights the forward uses (a deepcopy
+of the model, whose hooks are inert, runs in fp32 on fp32 inputs).
 """
 import threading
 import time
+import types
 
 import torch
 from torch.nn.modules import module as _module_mod
 
-from .._torch.hooks import FAST_PATH_TYPES, SessionHook, forward_pre_hook
+from .._torch.hooks import FAST_PATH_TYPES, SessionHook
 from ..config.dtypes import FLOAT_DTYPES
 from ..errors import UsageError
+from . import reentry, thread_params
 
-#: How long a call from a second thread waits for another thread's call of an O2 model to end, polling.
-THREAD_WAIT_S, POLL_S = 60.0, 0.0005
-
-
-class _Turn:
-    """Which thread's calls hold compute copies: one thread at a time, across every O2 model (two models that
-    share a module would otherwise each wait for the other's thread). A plain C lock guards the two fields and is
-    never held while waiting (a waiting thread polls): an interrupt cannot leave it taken, as it can a
-    ``threading.Condition`` whose Python-level ``__enter__`` is interrupted after acquiring."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.thread = None
-        self.depth = 0  # calls of O2 models in progress in that thread
-
-    def enter(self, called):
-        if torch.compiler.is_compiling():  # (dynamo traces the hooks: the compiled call runs in one thread's call)
-            return
-        me = threading.get_ident()
-        deadline = None
-        while not self._take(me):
-            now = time.monotonic()
-            deadline = deadline or now + THREAD_WAIT_S
-            if now > deadline:
-                raise UsageError(
-                    f"{type(called).__name__}: a call of an O2 model from thread {me} waited {THREAD_WAIT_S:.0f} s "
-                    f"for thread {self.thread}'s call to end. O2 puts the half compute copies into the model for "
-                    "the length of one call, so calls from several threads take turns; a forward that calls O2 "
-                    "modules from threads it starts and waits for cannot. Call them from the forward's own "
-                    "thread, or run that model under O1.")
-            time.sleep(POLL_S)
-
-    def _take(self, me):
-        with self.lock:
-            if self.thread not in (None, me):
-                return False
-            self.thread = me
-            self.depth += 1
-            return True
-
-    def holds(self):
-        return torch.compiler.is_compiling() or self.thread == threading.get_ident()
-
-    def leave(self):
-        if torch.compiler.is_compiling():
-            return
-        with self.lock:
-            self.depth = max(self.depth - 1, 0)
-            if not self.depth:
-                self.thread = None
-
-    def reset(self):
-        """deinitialize: this thread has no call of an O2 model in progress any more (one an interrupt cut short
-        left its turn taken)."""
-        with self.lock:
-            if self.thread == threading.get_ident():
-                self.thread, self.depth = None, 0
-
-
-TURN = _Turn()
+#: How long ``remove`` (deinitialize) waits for calls other threads started just before it to end, polling.
+DRAIN_S, POLL_S = 60.0, 0.0005
+LIVE = []  # the attached ComputeCopies (recompute_copies re-enters their calls)
 
 
 class _Install(SessionHook):
@@ -106,18 +57,29 @@ class _Restore(SessionHook):
         self.owner = owner
 
     def __call__(self, module, args, output):
-        self.owner.uninstall()
+        return self.owner.uninstall(output)
 
 
-class _RestoreOf(SessionHook):
-    """Global forward hook filtered to one fast-path layer (a hook of its own would cost it its fused kernel)."""
+class _Global(SessionHook):
+    """Torch's global forward pre-hook or hook, dispatched to the fast-path layers it serves (a hook of their own
+    would cost them their fused kernel)."""
 
-    def __init__(self, model, owner):
-        self.model, self.owner = model, owner
+    def __init__(self, layers, hook):
+        self.layers, self.hook = layers, hook
 
-    def __call__(self, module, args, output):
-        if module is self.model:
-            self.owner.uninstall()
+    def __call__(self, module, *rest):
+        if id(module) in self.layers and self.layers[id(module)] is module:
+            return self.hook(module, *rest)
+        return None
+
+
+class _Call(threading.local):
+    """This thread's call of the model: its depth, the module that started it, the copies it installed."""
+
+    def __init__(self):
+        self.depth = 0
+        self.called = None
+        self.swapped = []  # (module, its params dict, name, fp32 param, copy, the copy's version or None)
 
 
 class ComputeCopies:
@@ -128,120 +90,276 @@ class ComputeCopies:
         self.model, self.dtype, self.keep_types, self.watch = model, dtype, keep_types, watch
         self.slots = slots
         self.generation = None
-        self.depth = 0
-        self.swapped = []  # (module, name, fp32 param, half copy, its version) of the call in progress
+        self.call = _Call()
+        self.traced = _Call.__new__(_Call)  # (dynamo traces the hooks: a plain object, no thread-local)
+        _Call.__init__(self.traced)
+        self.lock = threading.Lock()
+        self.calls = {}  # thread ident -> depth of its call in progress
+        self.live = False
+        self.overlaid = {}  # id(module) -> module given a ThreadParams
+        self.members = set()  # ids of the model's modules (conversion_guard)
+        self.adopt = None  # adopt(module, name, buffer): a float buffer registered after initialize gets cast
         self.handles = []
 
     def attach(self):
         self._collect()
-        if isinstance(self.model, FAST_PATH_TYPES):  # (global hooks, in registration order: before the input cast)
-            self.handles.append(forward_pre_hook(self.model, _Install(self)))
-            self.handles.append(_module_mod.register_module_forward_hook(_RestoreOf(self.model, self),
-                                                                         always_call=True))
+        self.live = True
+        LIVE.append(self)
+        if isinstance(self.model, FAST_PATH_TYPES):
+            self._hook_fast_path([self.model])
             return self
         self.handles.append(self.model.register_forward_pre_hook(_Install(self), prepend=True))
         self.handles.append(self.model.register_forward_hook(_Restore(self), prepend=True, always_call=True))
         self._hook_owners()
         return self
 
+    def _hook_fast_path(self, layers):
+        """Hooks for fast-path layers, on torch's global lists (in registration order: before the input cast)."""
+        if not layers:
+            return
+        by_id = {id(layer): layer for layer in layers}
+        self.handles.append(_module_mod.register_module_forward_pre_hook(_Global(by_id, _Install(self))))
+        self.handles.append(_module_mod.register_module_forward_hook(_Global(by_id, _Restore(self)),
+                                                                     always_call=True))
+
     def _hook_owners(self):
         """The modules that own cast params get the same hooks: called on their own (a submodule called
-        directly, a checkpointed segment recomputed during backward) they swap their own params; inside an
-        outer call they only count the depth. Not inside a fast-path layer (its hooks would cost the kernel)."""
-        inside = {id(m) for layer in self.model.modules() if isinstance(layer, FAST_PATH_TYPES) for m in
-                  layer.modules()}
+        directly, a checkpointed layer) they copy their own params; inside an outer call they only count the
+        depth. A fast-path layer (``TransformerEncoderLayer``) gets them for every param inside it, on torch's
+        global hook lists (its own hooks would cost it the fused kernel); the modules inside it get none."""
+        layers = [m for m in self.model.modules() if isinstance(m, FAST_PATH_TYPES) and m is not self.model]
+        inside = {id(m) for layer in layers for m in layer.modules()}
         owners = {id(m): m for m, _ in self.slots if m is not self.model and id(m) not in inside}
         for module in owners.values():
             self.handles.append(module.register_forward_pre_hook(_Install(self), prepend=True))
             self.handles.append(module.register_forward_hook(_Restore(self), prepend=True, always_call=True))
+        self._hook_fast_path([layer for layer in layers if not any(
+            layer is not other and any(m is layer for m in other.modules()) for other in layers)])
 
     def _collect(self):
-        """The (module, name) slots of floating params outside kept-fp32 modules, once per registration change."""
+        """The (module, name) slots of floating params outside kept-fp32 modules, once per registration change;
+        their modules get a :class:`~.thread_params.ThreadParams`."""
         slots = []
         for module in self.model.modules():
             if self.keep_types and isinstance(module, self.keep_types):
                 continue
-            for name, p in module._parameters.items():
-                if p is not None and p.dtype in FLOAT_DTYPES:  # (whatever it holds now: maybe another's copy)
+            for name, p in dict.items(module._parameters):
+                if p is not None and p.dtype in FLOAT_DTYPES:
                     slots.append((module, name))
         self.slots[:] = slots
+        if not torch.compiler.is_compiling():
+            self.members = {id(m) for m in self.model.modules()}
+            for module, _ in slots:
+                if thread_params.install(module):
+                    self.overlaid[id(module)] = module
+            self._adopt_buffers()
         self.generation = self.watch.generation
 
-    def install(self, called=None):
-        """A call of ``called`` (the model, or a module owning cast params) starts: the outermost one swaps."""
-        TURN.enter(called)
-        self.depth += 1
-        if self.depth == 1:
-            self._swap_in(called)
+    def _adopt_buffers(self):
+        """Float buffers registered since initialize (``spectral_norm`` applied later) get what initialize gave
+        the others: the half dtype (kept-fp32 modules keep theirs)."""
+        if self.adopt is None:
+            return
+        for module in self.model.modules():
+            if self.keep_types and isinstance(module, self.keep_types):
+                continue
+            for name, buffer in module._buffers.items():
+                if (buffer is not None and buffer.dtype in FLOAT_DTYPES and buffer.dtype is not self.dtype
+                        and buffer.dtype is not torch.float64):
+                    self.adopt(module, name, buffer)
 
-    def _swap_in(self, called):
+    def _state(self):
+        return self.traced if torch.compiler.is_compiling() else self.call
+
+    def in_call(self):
+        """The module whose call (in this thread) holds copies now, or None."""
+        state = self._state()
+        return state.called if state.depth else None
+
+    def install(self, called=None):
+        """A call of ``called`` (the model, or a module owning cast params) starts: the outermost one copies."""
+        if not self.live:  # (a call that saw the hooks before deinitialize removed them)
+            return
+        state = self._state()
+        state.depth += 1
+        if state is self.call:
+            self.count_call(state.depth)
+        if state.depth == 1:
+            state.called = called
+            self._swap_in(state, called)
+
+    def _swap_in(self, state, called):
         if self.generation != self.watch.generation:
             self._collect()
         slots = self.slots
         if called is not None and called is not self.model:
             members = {id(m) for m in called.modules()}
             slots = [(m, n) for m, n in slots if id(m) in members]
+        if state is self.traced:
+            return self._swap_traced(state, slots)
         copies = {}  # id(param) -> its copy: a tied param is cast once
         touched = set()
-        versions = not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled())
+        inference = torch.is_inference_mode_enabled()
         for module, name in slots:
-            p = module._parameters.get(name)
+            params = module._parameters
+            p = dict.get(params, name)
+            if p is None or p.dtype is self.dtype or p.dtype not in FLOAT_DTYPES:
+                continue
+            copy = copies.get(id(p))
+            if copy is None:
+                copy = copies[id(p)] = _cast(p, self.dtype, inference)
+            if isinstance(params, thread_params.ThreadParams):
+                params.overlay()[name] = copy
+            else:  # (a module added since the last collect, not yet overlaid: collected again next call)
+                params[name] = copy
+            state.swapped.append((module, params, name, p, copy, copy._version))
+            touched.add(module)
+        thread_params.refresh_flat_weights(touched)
+
+    def _swap_traced(self, state, slots):
+        """Under dynamo: the copies go into the shared dicts (the compiled call is one thread's call)."""
+        copies = {}
+        for module, name in slots:
+            params = module._parameters
+            p = dict.get(params, name)
             if p is None or p.dtype is self.dtype or p.dtype not in FLOAT_DTYPES:
                 continue
             copy = copies.get(id(p))
             if copy is None:
                 copy = copies[id(p)] = p.to(self.dtype)
-            module._parameters[name] = copy
-            self.swapped.append((module, name, p, copy, copy._version if versions else None))
-            touched.add(module)
-        _refresh_flat_weights(touched)
+            dict.__setitem__(params, name, copy)
+            state.swapped.append((module, params, name, p, copy, None))
+        thread_params.refresh_flat_weights({m for m, _ in slots})
 
-    def uninstall(self):
-        if not TURN.holds():  # (a call whose install raised while waiting its turn)
-            return
-        self.depth = max(self.depth - 1, 0)
-        if not self.depth:
-            self._put_back()
-        TURN.leave()
+    def uninstall(self, output=None):
+        """A call ends: the outermost one drops its copies. A generator it returned re-enters the call, on the
+        same copies, for each of its resumptions (its body runs after the call returned)."""
+        state = self._state()
+        if not state.depth:  # (a call whose install found the hooks removed)
+            return None
+        state.depth -= 1
+        if state is self.call:
+            self.count_call(state.depth)
+        called = state.called
+        if state.depth:
+            return None
+        kept = list(state.swapped)
+        self._put_back(state)
+        if isinstance(output, types.GeneratorType) and state is self.call:
+            return reentry.resumed_in_call(self, called, kept, output)
+        return None
+
+    def count_call(self, depth):
+        """Note this thread's call depth (deinitialize waits for and refuses around other threads' calls)."""
+        with self.lock:
+            if depth:
+                self.calls[threading.get_ident()] = depth
+            else:
+                self.calls.pop(threading.get_ident(), None)
+
+    def resume(self, called, kept):
+        """Context manager: a generator's resumption runs in its call again, on the call's copies ``kept``."""
+        return reentry.Resumed(self, called, kept)
+
+    def reenter(self, called):
+        """Context manager: run code of a call of ``called`` that runs outside its extent (a checkpointed
+        segment's recomputation) with this thread's copies, unless a call is in progress here already."""
+        return reentry.Reentered(self, called)
 
     def restore(self):
-        """Put back what a call left swapped and give up its turn (deinitialize after an interrupted call)."""
-        self._put_back()
-        TURN.reset()
-        self.depth = 0
+        """Put back what a call of this thread left and forget it (deinitialize after an interrupted call)."""
+        self._put_back(self.call)
+        self._put_back(self.traced)
+        self.call.depth = self.traced.depth = 0
+        with self.lock:
+            self.calls.pop(threading.get_ident(), None)
 
-    def _put_back(self):
-        """Put the fp32 params back (each slot still holding its copy: one the forward replaced is left), with
-        any in-place edit the call made to a copy (Embedding's max_norm, a hook clamping weights)."""
+    def _put_back(self, state):
+        """Drop this thread's copies (a slot the forward re-assigned keeps what it was given), writing back into
+        the fp32 param any in-place edit the call made to a copy (Embedding's max_norm, a hook clamping weights)."""
         touched, written = set(), set()
-        while self.swapped:
-            module, name, param, copy, version = self.swapped.pop()
-            if module._parameters.get(name) is copy:
-                module._parameters[name] = param
-            if version is not None and copy._version != version and id(param) not in written:
+        while state.swapped:
+            module, params, name, param, copy, version = state.swapped.pop()
+            if isinstance(params, thread_params.ThreadParams) and state is self.call:
+                overlay = params.overlay()
+                if overlay.get(name) is copy:
+                    del overlay[name]
+            elif dict.get(params, name) is copy:
+                dict.__setitem__(params, name, param)
+            edited = copy._version != version if version is not None else _renorms(module)
+            if edited and id(param) not in written:
                 written.add(id(param))
                 _write_back(param, copy)
             touched.add(module)
-        _refresh_flat_weights(touched)
+        state.called = None
+        thread_params.refresh_flat_weights(touched)
+
+    def busy_threads(self):
+        """Idents of the threads with a call of the model in progress."""
+        with self.lock:
+            return [ident for ident, depth in self.calls.items() if depth]
 
     def remove(self):
-        """Remove the hooks and put back any param a call interrupted by a BaseException left swapped."""
+        """Remove the hooks, wait for calls other threads started before (their copies must outlive them), put
+        back what a call of this thread left, give the modules plain ``_parameters`` again."""
+        self.live = False
+        if self in LIVE:
+            LIVE.remove(self)
         while self.handles:
             self.handles[-1].remove()
             self.handles.pop()
+        self._drain()
         self.restore()
+        for module in self.overlaid.values():
+            thread_params.uninstall(module)
+        self.overlaid.clear()
+
+    def _drain(self):
+        me, deadline = threading.get_ident(), time.monotonic() + DRAIN_S
+        while any(ident != me for ident in self.busy_threads()):
+            alive = {t.ident for t in threading.enumerate()}
+            with self.lock:  # (a thread that died inside a call will not end it)
+                self.calls = {i: d for i, d in self.calls.items() if i in alive}
+            if time.monotonic() > deadline:
+                raise UsageError(f"deinitialize(): the call of the {type(self.model).__name__} that thread(s) "
+                                 f"{self.busy_threads()} started did not end in {DRAIN_S:.0f} s. Stop the "
+                                 "threads that call the model (join them) before amp_patch.deinitialize()")
+            time.sleep(POLL_S)
+
+
+def check_no_calls_elsewhere():
+    """deinitialize() from one thread while another thread's call of an O2 model is in progress would take its
+    copies away mid-forward: refused, naming the fix. (A call that starts after this check finds the hooks inert
+    and runs in fp32; one that started just before is waited for by :meth:`ComputeCopies.remove`.)"""
+    me, alive = threading.get_ident(), {t.ident: t for t in threading.enumerate()}
+    for copies in list(LIVE):
+        for ident in copies.busy_threads():
+            if ident != me and ident in alive:
+                raise UsageError(
+                    f"amp_patch.deinitialize() from thread {threading.current_thread().name!r} while thread "
+                    f"{alive[ident].name!r} is inside a call of the O2 {type(copies.model).__name__}: its half "
+                    "compute copies would go away mid-forward. Stop the threads that call the model (join "
+                    "them) first, then deinitialize()")
+
+
+def _cast(param, dtype, inference):
+    """A compute copy; under inference_mode a normal tensor (an inference tensor has no version counter, and an
+    in-place edit, Embedding's max_norm, must still be written back)."""
+    if not inference:
+        return param.to(dtype)
+    with torch.inference_mode(False), torch.no_grad():
+        return param.to(dtype)
+
+
+def _renorms(module):
+    """Under dynamo (no version counters): the one torch module that edits its weight in place in its forward,
+    an embedding with ``max_norm``, is written back by value."""
+    return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.max_norm is not None
 
 
 def _write_back(param, copy):
     """An in-place edit of a compute copy during the call is the model's edit of its weight: the fp32 param takes
     the edited values where the copy no longer holds the param's own rounding; the others stay exact."""
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():
         edited = copy.ne(param.to(copy.dtype))
         param.copy_(torch.where(edited, copy.to(param.dtype), param))
-
-
-def _refresh_flat_weights(modules):
-    """RNN modules read their weights from ``_flat_weights``, a list rebuilt from ``_parameters``."""
-    for module in modules:
-        if isinstance(module, torch.nn.RNNBase):
-            module._init_flat_weights()

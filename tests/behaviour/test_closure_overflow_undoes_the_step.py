@@ -5,8 +5,13 @@ history), a SAM-shaped optimizer (perturbs the weights before its closure, steps
 wrapper stepping an inner optimizer, under O1 and O2, float16: a few clean closure steps, then one whose closure
 overflows (in its first call, or in a later one for LBFGS), must leave every param, the optimizer's
 ``state_dict()`` and the inner optimizers' bitwise as they were, and report the step skipped; the next clean step
-trains again. Zeroed grads alone (what amp_patch did before) still moved every stateful optimizer.
+trains again. Zeroed grads alone (what amp_patch did before) still moved every stateful optimizer. What a step can
+change is the whole optimizer object: a Lookahead keeps a step counter and slow weights as its own attributes, and
+they are compared too; an attribute that cannot be copied makes the overflow raise, naming it, instead of report
+the step skipped.
 """
+import threading
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -60,6 +65,30 @@ class Wrapper(torch.optim.Optimizer):
         return loss
 
 
+class Lookahead(torch.optim.Optimizer):
+    """Lookahead (Zhang et al. 2019) in the shape scripts write it: its own step counter and slow weights."""
+
+    def __init__(self, params, k=2, alpha=0.5):
+        super().__init__(params, {})
+        self.inner = torch.optim.SGD(self.param_groups, lr=0.1, momentum=0.9)
+        self.k, self.alpha, self.counter = k, alpha, 0
+        self.slow = [p.detach().clone() for g in self.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.inner.step()
+        self.counter += 1
+        if self.counter % self.k == 0:
+            for slow, p in zip(self.slow, [p for g in self.param_groups for p in g["params"]]):
+                slow.add_(p - slow, alpha=self.alpha)
+                p.copy_(slow)
+        return loss
+
+
 OPTIMIZERS = {
     "SGD momentum wd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1),
     "Adam": lambda p: torch.optim.Adam(p, lr=1e-2),
@@ -75,13 +104,17 @@ OPTIMIZERS = {
     "LBFGS": lambda p: torch.optim.LBFGS(p, lr=0.1, max_iter=3, history_size=4),
     "SAM over SGD momentum": lambda p: Sam(p, torch.optim.SGD, lr=0.1, momentum=0.9),
     "wrapper of AdamW": Wrapper,
+    "Lookahead over SGD momentum": Lookahead,
 }
+_BASE = set(vars(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)))
 
 
 def _snapshot(model, opt):
     inner = [v for v in vars(opt).values() if isinstance(v, torch.optim.Optimizer) and v is not opt]
+    own = [{k: _clone(v) for k, v in vars(o).items() if k not in _BASE and not isinstance(v, torch.optim.Optimizer)}
+           for o in [opt, *inner]]
     return ([p.detach().clone() for p in model.parameters()],
-            [_clone(o.state_dict()) for o in [opt, *inner]])
+            [_clone(o.state_dict()) for o in [opt, *inner]] + own)
 
 
 def _clone(tree):
@@ -142,3 +175,63 @@ def test_an_overflowing_closure_leaves_params_and_optimizer_state_as_they_were(n
     opt.step(closure)
     assert not amp_patch.last_step_skipped(opt)
     assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before[0]))
+
+
+class Locked(Lookahead):
+    """Keeps a lock on the object: it cannot be copied, so an overflow's undo cannot be complete."""
+
+    def __init__(self, params):
+        super().__init__(params)
+        self.lock = threading.Lock()
+
+
+def test_an_attribute_that_cannot_be_copied_makes_the_overflow_raise_naming_it():
+    model = torch.nn.Linear(4, 3)
+    opt = Locked(model.parameters())
+    model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=HALF, verbosity=0)
+    x = torch.randn(8, 4)
+
+    def closure():
+        opt.zero_grad()
+        with amp_patch.scale_loss(model(x).float().sum() * float("inf"), opt) as scaled:
+            scaled.backward()
+
+    with pytest.raises(amp_patch.UsageError, match=r"cannot put back Locked.lock \(lock\).*not reported skipped"):
+        opt.step(closure)
+    assert not amp_patch.last_step_skipped(opt)
+    assert opt.counter == 0  # what could be copied was put back
+
+
+class KeepsItsLoss(Lookahead):
+    """Keeps the closure's loss (with its graph) and a history list on the object, replaced and appended by step."""
+
+    def __init__(self, params):
+        super().__init__(params)
+        self.loss, self.history = None, []
+
+    def step(self, closure=None):
+        self.loss = super().step(closure)
+        self.history.append(float(self.loss))
+        return self.loss
+
+
+def test_attributes_holding_a_loss_with_its_graph_are_put_back():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = KeepsItsLoss(model.parameters())
+    model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=HALF, verbosity=0)
+    x = torch.randn(8, 4)
+
+    def closure(bad=False):
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean() * (float("inf") if bad else 1.0)
+        with amp_patch.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        return loss
+
+    opt.step(closure)
+    loss, history, counter = opt.loss, list(opt.history), opt.counter
+    opt.step(lambda: closure(bad=True))
+    assert amp_patch.last_step_skipped(opt)
+    assert opt.loss is loss and opt.history == history and opt.counter == counter
+    amp_patch.deinitialize()

@@ -21,8 +21,8 @@ def install(engine, patcher):
     """Patch the two recomputation entry points of ``torch.utils.checkpoint`` for ``engine`` (if this torch has
     them: other versions are logged and left as they are)."""
     function_cls = getattr(_ckpt, "CheckpointFunction", None)
-    if function_cls is not None and "apply" not in vars(function_cls):
-        bound_apply = function_cls.apply
+    if function_cls is not None:
+        bound_apply = function_cls.apply  # (O2's recompute_copies may have wrapped it: wrapped again)
         patcher.install(function_cls, "apply", lambda original: staticmethod(
             lambda function, *rest: bound_apply(_pinned(engine, function), *rest)))
     else:

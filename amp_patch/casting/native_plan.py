@@ -25,13 +25,15 @@ _NOT_SAME_MARKERS = re.compile(r"^\s*-\s*(?:name:\s*)?([A-Za-z_0-9]+).*\((fp32_s
 # entry points whose C++ composite reaches an aten op native autocast casts, where no wrapper sees it: the Python
 # engine runs them uncast (reflection/replication padding inside torch._C._nn.pad, float on CPU; mm/matmul inside
 # cov, corrcoef, tensordot, bilinear, matrix_power, multi_dot, chain_matmul, pinv). Found by comparing the two
-# engines over every op of torch's op_db (tests/oracle/test_hybrid_engine_matches_python.py, AMP_PATCH_FULL_OPDB=1)
+# engines over every op of torch's op_db (tests/oracle/test_hybrid_engine_matches_python.py, AMP_PATCH_FULL_OPDB=1);
+# einsum and inner (bmm/mm inside) and F.bilinear (bound to the builtin at import) by a docs-only adversary
 COMPOSITE_GAPS = (("torch._C._nn", "pad"), ("torch", "cov"), ("torch", "corrcoef"), ("torch", "tensordot"),
                   ("torch", "bilinear"), ("torch", "matrix_power"), ("torch", "chain_matmul"),
                   ("torch.Tensor", "cov"), ("torch.Tensor", "corrcoef"), ("torch.Tensor", "matrix_power"),
                   ("torch._C._linalg", "linalg_matrix_power"), ("torch._C._linalg", "linalg_multi_dot"),
                   ("torch._C._linalg", "linalg_pinv"), ("torch.linalg", "matrix_power"), ("torch.linalg", "multi_dot"),
-                  ("torch.linalg", "pinv"))
+                  ("torch.linalg", "pinv"), ("torch", "einsum"), ("torch", "inner"), ("torch.Tensor", "inner"),
+                  ("torch.nn.functional", "bilinear"))
 
 
 @dataclasses.dataclass(frozen=True)

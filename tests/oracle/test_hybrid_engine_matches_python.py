@@ -101,8 +101,29 @@ def _regions():
     return _Regions(), torch.randn(4, 8), lambda out: out.float().pow(2).sum()
 
 
+class _Composites(nn.Module):
+    """Entry points whose C++ composite reaches ops native autocast casts (einsum and inner: bmm/mm inside;
+    F.bilinear, bound to the builtin at import), called on fp32 tensors inside the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+        self.bw = nn.Parameter(torch.randn(4, 8, 8) / 3)
+
+    def forward(self, x):
+        a = torch.einsum("ij,jk->ik", x, self.w)
+        b = torch.inner(x, self.w)
+        c = F.bilinear(x, x, self.bw)
+        return a.sum(1) + b.sum(1) + c.sum(1)
+
+
+def _composites():
+    return _Composites(), torch.randn(4, 8), lambda out: out.float().pow(2).sum()
+
+
 JOBS = [("mlp", _mlp), ("convnet_reflection_pad", _convnet), ("tied_weight_twice", _tied),
-        ("encoder_layer_lstm", _encoder), ("fp32_regions_checkpoint_custom_fwd", _regions)]
+        ("encoder_layer_lstm", _encoder), ("fp32_regions_checkpoint_custom_fwd", _regions),
+        ("einsum_inner_bilinear", _composites)]
 
 
 @pytest.mark.parametrize("half_dtype", [torch.bfloat16, torch.float16])

@@ -6,7 +6,9 @@ Usage: python benchmarks/bench_small_step.py [--rounds 7] [--steps 200] [--calls
 Step: a 3-layer MLP (width 64, batch 32), AdamW, 1 thread; every round runs each variant (order rotated) on a
 fresh copy for ``--steps`` steps after 10 warm-up steps; the figure is the median over rounds of each round's
 median step, and the ratios are taken in this run only. Per call: ``F.linear`` 8x8 (Parameter weight) inside a
-forward of the session's model and outside one, vs native ``torch.autocast`` entered once. ``--clock thread``
+forward of the session's model and outside one, vs native ``torch.autocast`` entered once. "native + finite
+check" adds what skipping a step on inf/NaN grads costs at the least (one fused check and its host read, as
+``GradScaler`` does), which amp_patch's ``scale_loss`` does at every opt level and dtype. ``--clock thread``
 (the default) times by the stepping thread's CPU time, which leaves out waits for a core on a shared machine.
 Prints the machine line (CPU flags: without bf16/fp16 instructions the kernels are slow, so read the ratios as
 overhead ratios). Nothing here is asserted in tests.
@@ -28,8 +30,9 @@ try:
 except ImportError:  # run from elsewhere
     from benchmarks.bench_bf16_hw import machine_line
 
-VARIANTS = {"native": None, "O1": dict(opt_level="O1"), "O1 python engine": dict(opt_level="O1", cast_engine="python"),
-            "O2": dict(opt_level="O2")}
+VARIANTS = {"native": None, "native + finite check": None, "O1": dict(opt_level="O1"),
+            "O1 python engine": dict(opt_level="O1", cast_engine="python"), "O2": dict(opt_level="O2")}
+NATIVE = ("native", "native + finite check")
 
 
 def _mlp(width=64, batch=32):
@@ -49,23 +52,31 @@ def _options(variant, args):
 def _steps(variant, base, x, y, args, clock):
     model, opt = copy.deepcopy(base), None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    native = VARIANTS[variant] is None
+    native = variant in NATIVE
+    check = variant == "native + finite check"  # what skipping a step on inf/NaN costs at least: one fused check
+    if check:
+        found, inv = torch.zeros(1), torch.ones(1)
     if not native:
         model, opt = amp_patch.initialize(model, opt, half_dtype=args.dtype, verbosity=0, **_options(variant, args))
     times = []
     try:
         for i in range(args.steps + 10):
-            start = clock()
+            start, skip = clock(), False
             opt.zero_grad(set_to_none=True)
             if native:
                 with torch.autocast("cpu", dtype=args.dtype):
                     loss = F.cross_entropy(model(x), y)
                 loss.backward()
+                if check:
+                    found.zero_()
+                    torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in model.parameters()], found, inv)
+                    skip = bool(found.item())
             else:
                 loss = F.cross_entropy(model(x), y)
                 with amp_patch.scale_loss(loss, opt) as scaled:
                     scaled.backward()
-            opt.step()
+            if not skip:
+                opt.step()
             if i >= 10:
                 times.append(clock() - start)
     finally:
@@ -100,7 +111,7 @@ def _per_call(variant, args, clock):
             fn()
         return (clock() - start) / args.calls * 1e6
 
-    if VARIANTS[variant] is None:
+    if variant in NATIVE:
         with torch.autocast("cpu", dtype=args.dtype):
             return timed(), None
     model = amp_patch.initialize(_Loop(), half_dtype=args.dtype, verbosity=0, **_options(variant, args))
@@ -139,13 +150,14 @@ def main(argv=None):
     print("|---|" + "---|" * len(names))
     print("| step us | " + " | ".join(f"{statistics.median(steps[v]) * 1e6:.0f}" for v in names) + " |")
     print("| step / native | " + " | ".join(f"{statistics.median(steps[v]) / native:.3f}" for v in names) + " |")
-    print("\n| F.linear 8x8 per call | " + " | ".join(n for n in names if n != "O2") + " |")
-    print("|---|" + "---|" * (len(names) - 1))
+    per_call = [n for n in names if n not in ("O2", "native + finite check")]
+    print("\n| F.linear 8x8 per call | " + " | ".join(per_call) + " |")
+    print("|---|" + "---|" * len(per_call))
     base_call = [n for n, _ in calls["native"]]
     for where, index in (("inside a forward", 0), ("outside", 1)):
         cells = []
         for v in names:
-            if v == "O2":
+            if v == "O2" or v == "native + finite check":
                 continue
             col = base_call if v == "native" else [c[index] for c in calls[v]]
             ratio = statistics.median(o / n for o, n in zip(col, base_call))

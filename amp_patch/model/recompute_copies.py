@@ -12,9 +12,11 @@ per recomputation, grads into the fp32 params). The same sites as the O1 engine'
 either patch wraps whatever the other left there.
 """
 import contextlib
+import functools
 
 import torch.utils.checkpoint as _ckpt
 
+from .._torch import compat
 from ..weights import compute_copies
 
 
@@ -41,8 +43,28 @@ def _in_calls(function):
 
     def run(*args, **kwargs):
         with contextlib.ExitStack() as stack:
-            for copies, called in calls:
-                stack.enter_context(copies.reenter(called))
+            with _past_selective_checkpoint():
+                for copies, called in calls:
+                    stack.enter_context(copies.reenter(called))
             return function(*args, **kwargs)
 
     return run
+
+
+def _past_selective_checkpoint():
+    """Selective activation checkpointing (``context_fn=create_selective_checkpoint_contexts(...)``) replays the
+    recomputation against the ops its forward ran, through a dispatch mode; the copies' casts ran before that
+    forward (at the model's call), so the re-entry makes them with the dispatch modes set aside (autograd still
+    records them: the grads reach the fp32 params)."""
+    mode_stack, replay, disable = _dispatch_internals()
+    if not any(isinstance(mode, replay) for mode in mode_stack()):
+        return contextlib.nullcontext()
+    return disable()
+
+
+@functools.cache
+def _dispatch_internals():
+    purpose = "selective activation checkpointing under O2"
+    return (compat.internal("torch.utils._python_dispatch._get_current_dispatch_mode_stack", purpose),
+            compat.internal("torch.utils.checkpoint._CachedTorchDispatchMode", purpose),
+            compat.internal("torch.utils._python_dispatch._disable_current_modes", purpose))

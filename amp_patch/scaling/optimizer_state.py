@@ -137,11 +137,16 @@ class OptimizerState(ForeignGrads, NextStepStage):
 
     def _grad_params(self):
         """Params whose .grad backward fills: model params (under masters, the half ones) and fp32 params."""
-        masters = self.masters.ids if self.masters is not None else ()
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in masters:
-                    yield p
+        groups = self.optimizer.param_groups
+        if self.masters is None:
+            return [p for group in groups for p in group["params"]]
+        masters = self.masters.ids
+        return [p for group in groups for p in group["params"] if id(p) not in masters]
+
+    def _grads(self):
+        """The grads :meth:`_grad_params` hold now (their ``.grad`` that is not None)."""
+        grads = [p.grad for p in self._grad_params()]
+        return [g for g in grads if g is not None]
 
     # -- scale_loss protocol --------------------------------------------------------------------
     def before_backward(self, scaler, in_place=False):
@@ -197,7 +202,7 @@ class OptimizerState(ForeignGrads, NextStepStage):
         doomed = self.next_step is DOOMED
         if distributed.world_size() == 1 and not unreduced and (doomed or scaler.scale != 1.0):
             self._set_aside_grads(every=doomed)
-        grads = [p.grad for p in self._grad_params() if p.grad is not None]
+        grads = self._grads()
         if grads and scaler.scale != 1.0:
             _rescale(grads, scaler.scale)
 
@@ -239,13 +244,13 @@ class OptimizerState(ForeignGrads, NextStepStage):
 
     def _rescale_in_place(self, old, new):
         """Grads scaled by ``old`` become scaled by ``new`` without leaving ``param.grad``; inf/NaN seen?"""
-        grads = [p.grad for p in self._grad_params() if p.grad is not None]
+        grads = self._grads()
         grads += [model_p.grad for model_p, _ in self.pairs if model_p.grad is not None]
         return bool(unscale_(grads, old.scale / new.scale)) if grads else False
 
     def _unscale(self, scaler, keep_model_grads=False):
         """param grads /= scale in place; half model grads /= scale into the fp32 master grads. found_inf?"""
-        grads = [p.grad for p in self._grad_params() if p.grad is not None]
+        grads = self._grads()
         found = scaler.unscale_grads(grads) if grads else False
         master_grads, master_outs, masters = [], [], []
         for model_p, master in self.pairs:
@@ -397,7 +402,7 @@ class OptimizerState(ForeignGrads, NextStepStage):
             self.masters.carry_edits(strict=False)
         uncast_state(self.state_casts)
         if self.pending is not None:  # a delayed or interrupted backward left its grads multiplied by the scale:
-            grads = [p.grad for p in self._grad_params() if p.grad is not None]  # they are given back unscaled
+            grads = self._grads()  # they are given back unscaled
             if grads:
                 _rescale(grads, 1.0 / self.pending.scaler.scale)
         if self.masters is not None:

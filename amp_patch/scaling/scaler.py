@@ -20,7 +20,7 @@ from ..config.loss_scale import count as _count
 from ..config.loss_scale import real as _real
 from ..config.loss_scale import scale_value as _scale_value
 from ..errors import ConfigError
-from .unscale import unscale_, unscale_into  # noqa: F401 - re-exported
+from .unscale import unscale_, unscale_collected_, unscale_into  # noqa: F401 - re-exported
 
 logger = logging.getLogger("amp_patch")
 
@@ -110,14 +110,15 @@ class LossScaler:
     def unscale_grads(self, grads, out=None):
         """Unscale ``grads`` by ``1/scale``; return True if any grad was inf/NaN.
 
-        Without ``out`` the grads are unscaled in place (:func:`unscale_`).
+        Without ``out`` the grads (tensors or None, collected by amp_patch: not type-checked) are unscaled in
+        place (:func:`unscale_collected_`).
         With ``out`` (a list as long as ``grads``, for O2 fp32 master grads) the
         unscaled fp32 values are stored into / added to ``out`` (:func:`unscale_into`).
         At most one host sync per call. Does not change the scaler's state:
         pass the result to :meth:`update`.
         """
         if out is None:
-            return unscale_(grads, self._scale)
+            return unscale_collected_(grads, self._scale)
         return unscale_into(grads, out, self._scale)
 
     def memento(self):

@@ -20,8 +20,14 @@ def _check_tensor(where, tensor):
         raise UsageError(f"{where} is a {type(tensor).__name__}; expected a torch.Tensor or None.")
 
 
+_Tensor = torch.Tensor
+
+
 def _group(tensors):
     """Return ``{device: {dtype: [tensor, ...]}}`` of the distinct tensors (sparse: their values)."""
+    tensors = tensors if isinstance(tensors, list) else list(tensors)
+    if tensors and _plain_alike(tensors):  # the common case, found in one pass: one group as it is
+        return {tensors[0].device: {tensors[0].dtype: tensors}}
     groups, seen = {}, set()
     for tensor in tensors:
         if id(tensor) in seen:
@@ -33,6 +39,17 @@ def _group(tensors):
             tensor = tensor.to_local()
         groups.setdefault(tensor.device, {}).setdefault(tensor.dtype, []).append(tensor)
     return groups
+
+
+def _plain_alike(tensors):
+    """Distinct dense plain tensors, all of one device and dtype."""
+    first = tensors[0]
+    device, dtype = first.device, first.dtype
+    for tensor in tensors:
+        if type(tensor) is not _Tensor or tensor.layout is not torch.strided or tensor.device != device \
+                or tensor.dtype is not dtype:
+            return False
+    return len(set(map(id, tensors))) == len(tensors)
 
 
 def _check_and_unscale_group(tensors, found, inv_tensor, inv_scale):
@@ -70,6 +87,18 @@ def _numel(groups):
     return sum(t.numel() for by_dtype in groups.values() for tensors in by_dtype.values() for t in tensors)
 
 
+_INVERSES = {}  # (device, 1/scale) -> that one-element fp32 tensor: read-only to the kernels, made once
+
+
+def _inverse(device, inv_scale):
+    tensor = _INVERSES.get((device, inv_scale))
+    if tensor is None:
+        if len(_INVERSES) >= 64:  # a dynamic scale visits a few powers of two; stay bounded anyway
+            _INVERSES.clear()
+        tensor = _INVERSES[(device, inv_scale)] = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+    return tensor
+
+
 def _unscale_groups(groups, scale):
     """Unscale every tensor of ``groups`` in place; one host sync for the found-inf flag."""
     if scale == 1.0 and torch.get_num_threads() > 1 and _numel(groups) > _READ_ONLY_MIN:
@@ -80,7 +109,7 @@ def _unscale_groups(groups, scale):
     founds = []
     for device, by_dtype in groups.items():
         found = torch.zeros(1, dtype=torch.float32, device=device)
-        inv_tensor = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+        inv_tensor = _inverse(device, inv_scale)
         for tensors in by_dtype.values():
             _check_and_unscale_group(tensors, found, inv_tensor, inv_scale)
         founds.append(found)
@@ -101,7 +130,12 @@ def unscale_(grads, scale):
     grads = list(grads)
     for i, grad in enumerate(grads):
         _check_tensor(f"grads[{i}]", grad)
-    return _unscale_groups(_group(g for g in grads if g is not None), float(scale))
+    return _unscale_groups(_group([g for g in grads if g is not None]), float(scale))
+
+
+def unscale_collected_(grads, scale):
+    """:func:`unscale_` for grads amp_patch collected itself from ``param.grad`` (tensors or None): no type checks."""
+    return _unscale_groups(_group([g for g in grads if g is not None]), float(scale))
 
 
 def _check_out(grads, out):
@@ -132,7 +166,7 @@ def unscale_into(grads, out, scale):
     grads = list(grads)
     _check_out(grads, out)
     pending = [(i, g.detach().to(torch.float32, copy=True)) for i, g in enumerate(grads) if g is not None]
-    found = _unscale_groups(_group(tmp for _, tmp in pending), float(scale))
+    found = _unscale_groups(_group([tmp for _, tmp in pending]), float(scale))
     fused = {}
     for i, tmp in pending:
         target = out[i]

@@ -68,16 +68,17 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
         return
     scaler, states, delay_unscale = _begin(session, loss, optimizers, loss_id, model, delay_unscale)
     others = _foreign_snapshots(session, states)
-    scaled = loss.float() * scaler.scale
-    probe = _BackwardProbe(loss, scaled)
+    scaled, probe = _scaled(loss, scaler.scale)
     _mark_open(states, True)
     try:
         yield scaled
     finally:
         _mark_open(states, False)
-        probe.remove()
+        if probe is not None:
+            probe.remove()
         _note_grads_written(session, states, others, loss_id)
-    probe.check()
+    if probe is not None:
+        probe.check()
     _end(session, scaler, loss_id, states, delay_unscale, loss, delay_overflow_check)
 
 
@@ -165,6 +166,16 @@ def _foreign_snapshots(session, states):
     passed, ident = {id(state) for state in states}, threading.get_ident()
     return [(state, state.grad_snapshot()) for state in session.scaling.opt_states.values()
             if id(state) not in passed and state.used_by(ident)]
+
+
+def _scaled(loss, scale):
+    """``(loss.float() * scale, probe)``; at a scale of 1.0 ``(loss.float(), None)``: ``loss.backward()`` inside the
+    block then trains exactly as ``scaled_loss.backward()`` would, so there is nothing to tell apart (Apex yielded
+    ``loss.float()`` there too), and the step saves a multiply and two autograd hooks (bfloat16's default)."""
+    if scale == 1.0:
+        return loss.float(), None
+    scaled = loss.float() * scale
+    return scaled, _BackwardProbe(loss, scaled)
 
 
 class _BackwardProbe:

@@ -182,9 +182,9 @@ class ComputeCopies:
             return
         state = self._state()
         state.depth += 1
-        if state is self.call:
-            self.count_call(state.depth)
         if state.depth == 1:
+            if state is self.call:
+                self.count_call(1)
             state.called = called
             self._swap_in(state, called)
 
@@ -238,11 +238,11 @@ class ComputeCopies:
         if not state.depth:  # (a call whose install found the hooks removed)
             return None
         state.depth -= 1
-        if state is self.call:
-            self.count_call(state.depth)
-        called = state.called
         if state.depth:
             return None
+        if state is self.call:
+            self.count_call(0)
+        called = state.called
         kept = list(state.swapped)
         self._put_back(state)
         if isinstance(output, types.GeneratorType) and state is self.call:
@@ -250,7 +250,8 @@ class ComputeCopies:
         return None
 
     def count_call(self, depth):
-        """Note this thread's call depth (deinitialize waits for and refuses around other threads' calls)."""
+        """Note whether this thread is in a call (``depth`` 0 or 1: the outermost call starts or ends; deinitialize
+        waits for and refuses around other threads' calls)."""
         with self.lock:
             if depth:
                 self.calls[threading.get_ident()] = depth

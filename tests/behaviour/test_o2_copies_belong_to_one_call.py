@@ -4,13 +4,14 @@ re-enters it, and nothing outside the call sees them.
 Each case runs the same program under O2 (bfloat16) and under the hand-made reference (every param outside
 batchnorm cast once, ``p.to(bf16)``, the copies in the module for the forward and the backward, inputs cast to
 bf16, outputs to fp32): outputs and fp32 grads agree **bitwise**. Cases: a checkpointed
-``nn.TransformerEncoderLayer`` (reentrant and not) and the same layer called on its own with a bf16 input; a
-checkpointed method reading a root param; a recursive forward; a generator forward reading a root param in its
+``nn.TransformerEncoderLayer`` (reentrant, not, and selectively) and the same layer called on its own with a bf16
+input; a checkpointed method reading a root param; a recursive forward; a generator forward reading a root param in its
 body. Threads, with the interleaving forced by ``threading.Event`` barriers: a training thread clipping
 ``model.parameters()`` while a background evaluation thread is inside a call; two threads inside calls at once; a
 forward running branches in a thread pool; ``deinitialize()`` from another thread before and during a call.
 """
 import contextlib
+import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -131,6 +132,32 @@ class CheckpointedMethod(nn.Module):
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_checkpointed_method_reading_a_root_param(reentrant):
     _same(lambda: CheckpointedMethod(reentrant), torch.randn(3, 8, requires_grad=reentrant))
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    saved = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    return ckpt.CheckpointPolicy.MUST_SAVE if op in saved else ckpt.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class SelectivelyCheckpointed(nn.Module):
+    """Selective activation checkpointing: the recomputation replays the forward's ops through a dispatch mode, so
+    the re-entered call's casts must not show there (torch's "encountered during backward but not found in
+    storage")."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.w = nn.Parameter(torch.randn(16, 16) * 0.3)
+
+    def forward(self, x):
+        context = functools.partial(ckpt.create_selective_checkpoint_contexts, _save_matmuls)
+        h = ckpt.checkpoint(self.layer, self.inp(x), use_reentrant=False, context_fn=context)
+        return ckpt.checkpoint(lambda t: torch.tanh(t @ self.w) @ self.w, h, use_reentrant=False, context_fn=context)
+
+
+def test_selectively_checkpointed_layer_and_method():
+    _same(SelectivelyCheckpointed, torch.randn(2, 5, 8))
 
 
 class Recursive(nn.Module):

@@ -241,10 +241,14 @@ def fixed_batches(entries):
     return list(batches.values())
 
 
-def run_files(entries, prof=None, timeout=900):
+TIMEOUT_S = {"ci": 900, "long": 3600}  # one batch's child; the long profile's first batch took 14 min under load
+
+
+def run_files(entries, prof=None, timeout=None):
     """Run entries of :data:`FILES`; returns ``{file id: {test id: [status, message, seconds]}}``, status one
     of pass / fail / skip / ported / known."""
     results, prof = {}, prof or profile()
+    timeout = timeout or TIMEOUT_S[prof]
     for batch in fixed_batches(entries):
         outcomes = _run_batch(batch, prof, timeout)
         for entry in batch:

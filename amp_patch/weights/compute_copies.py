@@ -73,13 +73,20 @@ class _Global(SessionHook):
         return None
 
 
-class _Call(threading.local):
-    """This thread's call of the model: its depth, the module that started it, the copies it installed."""
+class _TracedCall:
+    """A call of the model: its depth, the module that started it, the copies it installed. As such, the state of
+    the call dynamo traces (a plain object: dynamo tracks changes to its attributes, not to a thread-local's)."""
 
     def __init__(self):
         self.depth = 0
         self.called = None
         self.swapped = []  # (module, its params dict, name, fp32 param, copy, the copy's version or None)
+
+
+class _Call(threading.local):
+    """This thread's call of the model (the fields of :class:`_TracedCall`, per thread)."""
+
+    __init__ = _TracedCall.__init__
 
 
 class ComputeCopies:
@@ -91,8 +98,7 @@ class ComputeCopies:
         self.slots = slots
         self.generation = None
         self.call = _Call()
-        self.traced = _Call.__new__(_Call)  # (dynamo traces the hooks: a plain object, no thread-local)
-        _Call.__init__(self.traced)
+        self.traced = _TracedCall()
         self.lock = threading.Lock()
         self.calls = {}  # thread ident -> depth of its call in progress
         self.live = False

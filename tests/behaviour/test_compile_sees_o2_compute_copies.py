@@ -58,3 +58,33 @@ def test_after_deinitialize_the_compiled_model_is_fp32_again_and_dynamos_flag_is
     assert torch._dynamo.config.skip_nnmodule_hook_guards == flag
     assert compile_guards.SITE not in registry.installed()
     assert torch.equal(compiled(X), model(X))
+
+
+class _Inner(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        before = next(self.parameters()).dtype
+        y = self.lin(x)
+        return y, (before, self.lin.weight.dtype, next(self.parameters()).dtype)
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Inner()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_a_weight_read_after_its_modules_call_in_a_compiled_forward_is_the_copy():
+    """The traced call's depth counts every hooked module's call: an inner one's end does not put the fp32 params
+    back (it did while that state was a thread-local, whose changes dynamo does not track). HF BERT and T5 (eager
+    attention) read ``self.dtype`` (the first param's) after their embeddings ran and build the attention mask in
+    it: it was fp32 under compile, and the next matmul raised."""
+    model = _o2(_Outer())
+    assert model(X[:, :8])[1] == (torch.bfloat16,) * 3
+    assert torch.compile(model, backend="eager")(X[:, :8])[1] == (torch.bfloat16,) * 3

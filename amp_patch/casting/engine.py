@@ -4,7 +4,6 @@ One engine belongs to one session (or to one ``amp_patch.autocast()`` region
 when no session is active). It owns the patcher, the cast cache and the
 per-thread switch the wrappers read.
 """
-import contextlib
 import logging
 import threading
 
@@ -234,14 +233,24 @@ class CastingEngine:
             paused.discard(threading.get_ident())
             self.disabled.exit()
 
-    @contextlib.contextmanager
     def casts_disabled(self):
-        """Run the body with casting off in this thread (re-entrant, exception-safe)."""
-        self.disabled.enter()
-        try:
-            yield
-        finally:
-            self.disabled.exit()
+        """A context manager: the body runs with casting off in this thread (re-entrant, exception-safe)."""
+        return _CastsOff(self.disabled)
+
+
+class _CastsOff:
+    """``casts_disabled()``'s context manager (a class: a step's bookkeeping enters it several times)."""
+
+    __slots__ = ("switch",)
+
+    def __init__(self, switch):
+        self.switch = switch
+
+    def __enter__(self):
+        self.switch.enter()
+
+    def __exit__(self, *exc):
+        self.switch.exit()
 
 
 class _SwitchView:

@@ -199,12 +199,13 @@ class OptimizerState(ForeignGrads, NextStepStage):
     def _bring_to(self, scaler, unreduced):
         """Unscaled grads in param.grad get ``scaler``'s scale (single process: half grads, and after an overflow
         every grad, are set aside instead, see before_backward)."""
-        doomed = self.next_step is DOOMED
-        if distributed.world_size() == 1 and not unreduced and (doomed or scaler.scale != 1.0):
+        doomed, scale = self.next_step is DOOMED, scaler.scale
+        if (doomed or scale != 1.0) and not unreduced and distributed.world_size() == 1:
             self._set_aside_grads(every=doomed)
-        grads = self._grads()
-        if grads and scaler.scale != 1.0:
-            _rescale(grads, scaler.scale)
+        if scale != 1.0:  # at 1.0 (bfloat16's default) there is nothing to multiply
+            grads = self._grads()
+            if grads:
+                _rescale(grads, scale)
 
     def _set_aside_grads(self, every):
         """Set the (unscaled) half grads accumulated so far aside until the unscaling exit (see before_backward),

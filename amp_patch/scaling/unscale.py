@@ -43,13 +43,11 @@ def _group(tensors):
 
 def _plain_alike(tensors):
     """Distinct dense plain tensors, all of one device and dtype."""
-    first = tensors[0]
-    device, dtype = first.device, first.dtype
+    dtype, strided = tensors[0].dtype, torch.strided
     for tensor in tensors:
-        if type(tensor) is not _Tensor or tensor.layout is not torch.strided or tensor.device != device \
-                or tensor.dtype is not dtype:
+        if type(tensor) is not _Tensor or tensor.dtype is not dtype or tensor.layout is not strided:
             return False
-    return len(set(map(id, tensors))) == len(tensors)
+    return len({tensor.device for tensor in tensors}) == 1 and len(set(map(id, tensors))) == len(tensors)
 
 
 def _check_and_unscale_group(tensors, found, inv_tensor, inv_scale):

@@ -47,10 +47,11 @@ class StepSnapshot:
         memo.update((id(opt), opt) for opt in self.optimizers)
         self.attrs = [(opt, _copy_attrs(opt, memo)) for opt in self.optimizers]
 
-    def restore(self):
+    def restore(self, why="closure"):
         """Put the params, the optimizer state, the groups' hyper-parameters and the optimizer's own attributes
         back; the grads go (a skip). Raises :class:`UsageError` (after the rest) naming the attributes that could
-        not be copied."""
+        not be copied (``why``: ``"closure"``, an overflow in the step's closure; ``"skipped"``, a step skipped
+        for an earlier overflow)."""
         with torch.no_grad():
             for p, value in zip(self.params, self.values):
                 p.copy_(value)
@@ -65,12 +66,22 @@ class StepSnapshot:
             _restore_attrs(opt, saved, uncopyable)
             lost += [f"{type(opt).__name__}.{name} ({type(getattr(opt, name, None)).__name__})" for name in uncopyable]
         if lost:
+            name = type(self.optimizers[0]).__name__
+            what = (f"an overflow in the closure of {name}.step(closure)" if why == "closure" else
+                    f"{name}.step() was to be skipped (an earlier overflow) and ran with its grads hidden")
+            fix = ", or step without a closure (scale_loss around the backward, then step())" * (why == "closure")
             raise UsageError(
-                f"an overflow in the closure of {type(self.optimizers[0]).__name__}.step(closure): amp_patch put "
-                f"back the params, the optimizer state and the param groups, but cannot put back {', '.join(lost)}: "
-                "it could not be copied as the step began (copy.deepcopy failed), so the step is not undone "
-                "completely and is not reported skipped. Make the attribute deep-copyable (or keep it off the "
-                "optimizer object), or step without a closure (scale_loss around the backward, then step())")
+                f"{what}: amp_patch put back the params, the optimizer state and the param groups, but cannot put "
+                f"back {', '.join(lost)}: it could not be copied as the step began (copy.deepcopy failed), so the "
+                "step is not undone completely and is not reported skipped. Make the attribute deep-copyable (or "
+                f"keep it off the optimizer object){fix}")
+
+
+def hiding_grads_skips(optimizer):
+    """Whether a step with every grad hidden (None) changes nothing: torch's own optimizers and amp_patch's Apex
+    ones skip a param without a grad. Any other optimizer's ``step()`` may change more (a Lookahead's counter and
+    slow weights move on a step without grads), so a skipped step of it is undone from a copy, as a closure's."""
+    return type(optimizer).__module__.startswith(("torch.optim.", "amp_patch."))
 
 
 def _copy_attrs(opt, memo):

@@ -44,7 +44,7 @@ import torch
 from .._torch import dist as distributed
 from ..errors import UsageError
 from ..weights.masters import TwoCopyMasters
-from .closure_steps import StepSnapshot
+from .closure_steps import StepSnapshot, hiding_grads_skips
 from .foreign_grads import ForeignGrads
 from .forgotten_scale_loss import ForgottenScaleLoss
 from .scaler import LossScaler
@@ -353,7 +353,8 @@ class OptimizerState(ForeignGrads, NextStepStage):
                 self.set_aside, self.own_exit = [], None
             masters.before_step()
         if self.stepping == 1:  # (the outermost step: a subclass's step calling super().step() is one step)
-            self.snapshot = StepSnapshot(optimizer) if closure is not None else None
+            keep = closure is not None or (skipped and not hiding_grads_skips(optimizer))
+            self.snapshot = StepSnapshot(optimizer) if keep else None
         if skipped:
             self.set_aside = []
             for group in optimizer.param_groups:
@@ -382,16 +383,24 @@ class OptimizerState(ForeignGrads, NextStepStage):
             return
         if self.closure_overflow:  # (the scaler backed off already; the next step is not skipped for it)
             if self.snapshot is not None:  # (None: a scale_loss inside another optimizer's step without a closure)
-                try:
-                    self.snapshot.restore()
-                except UsageError as exc:  # an attribute it could not copy: raised once the step is finished
-                    incomplete = exc
+                incomplete = self._undo_step("closure")
             self.last_skipped, self.next_step, self.closure_overflow = incomplete is None, READY, False
+        elif self.last_skipped and self.snapshot is not None:  # a skipped step that ran more than its grads' math
+            incomplete = self._undo_step("skipped")
+            self.last_skipped = incomplete is None
         self.snapshot = None
         if self.masters is not None:
             self.masters.after_step(self.last_skipped)
         if incomplete is not None:
             raise incomplete
+
+    def _undo_step(self, why):
+        """Put back what the step changed; the :class:`UsageError` naming what could not be put back, or None."""
+        try:
+            self.snapshot.restore(why)
+        except UsageError as exc:  # an attribute it could not copy: raised once the step is finished
+            return exc
+        return None
 
     # -- teardown -------------------------------------------------------------------------------
     def restore(self):

@@ -8,7 +8,9 @@ overflows (in its first call, or in a later one for LBFGS), must leave every par
 trains again. Zeroed grads alone (what amp_patch did before) still moved every stateful optimizer. What a step can
 change is the whole optimizer object: a Lookahead keeps a step counter and slow weights as its own attributes, and
 they are compared too; an attribute that cannot be copied makes the overflow raise, naming it, instead of report
-the step skipped.
+the step skipped. A step skipped for an overflow before it (no closure) hides the grads, which is all torch's
+optimizers need; an optimizer of any other class may change more on a step without grads (the Lookahead's counter
+and slow weights), so its skipped step is undone the same way.
 """
 import threading
 
@@ -177,6 +179,38 @@ def test_an_overflowing_closure_leaves_params_and_optimizer_state_as_they_were(n
     assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before[0]))
 
 
+NEED_A_CLOSURE = ("LBFGS", "SAM over SGD momentum")
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("name", [name for name in OPTIMIZERS if name not in NEED_A_CLOSURE])
+def test_a_step_skipped_after_an_overflow_leaves_params_and_optimizer_state_as_they_were(name, level):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    opt = OPTIMIZERS[name](model.parameters())
+    model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=HALF, verbosity=0, loss_scale=128.0)
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+
+    def step(bad=False):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x).float(), y) * (float("inf") if bad else 1.0)
+        with amp_patch.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+    for _ in range(3):  # (the Lookahead syncs its slow weights on every second step: the skipped one is the 4th)
+        step()
+    before = _snapshot(model, opt)
+    step(bad=True)
+    assert amp_patch.last_step_skipped(opt), name
+    params, states = _snapshot(model, opt)
+    assert all(torch.equal(p, b) for p, b in zip(params, before[0])), (name, "params moved")
+    assert _equal(states, before[1]), (name, "optimizer state moved")
+    step()
+    assert not amp_patch.last_step_skipped(opt)
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before[0]))
+
+
 class Locked(Lookahead):
     """Keeps a lock on the object: it cannot be copied, so an overflow's undo cannot be complete."""
 
@@ -235,3 +269,15 @@ def test_attributes_holding_a_loss_with_its_graph_are_put_back():
     assert amp_patch.last_step_skipped(opt)
     assert opt.loss is loss and opt.history == history and opt.counter == counter
     amp_patch.deinitialize()
+
+
+def test_a_skipped_step_that_cannot_be_undone_raises_naming_the_attribute():
+    model = torch.nn.Linear(4, 3)
+    opt = Locked(model.parameters())
+    model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=HALF, verbosity=0)
+    with amp_patch.scale_loss(model(torch.randn(8, 4)).float().sum() * float("inf"), opt) as scaled:
+        scaled.backward()
+    with pytest.raises(amp_patch.UsageError, match=r"to be skipped.*cannot put back Locked.lock \(lock\)"):
+        opt.step()
+    assert not amp_patch.last_step_skipped(opt)
+    assert opt.counter == 0

@@ -40,6 +40,7 @@ from .checks import (  # noqa: F401
     check_no_shared_params,
     check_step_hooks,
     hybrid_device_types,
+    uncompiled,
 )
 from .scale_loss import check_idle_elsewhere
 from .session import Session
@@ -71,7 +72,7 @@ def open_session(call, api):
     _check_enabled(c.enabled)
     if c.models is None:
         raise ConfigError("models=None; pass the model(s) to set up: initialize(model, optimizer, opt_level=...)")
-    model_list = as_list(c.models, "models", torch.nn.Module)
+    model_list = uncompiled(as_list(c.models, "models", torch.nn.Module))
     opt_list = as_list(c.optimizers, "optimizers", torch.optim.Optimizer)
     if not c.enabled:
         _state.activate(Session(enabled=False))

@@ -1,6 +1,7 @@
 """The checks ``initialize`` runs before it changes anything (moved out of frontend.py unchanged): every argument
 is validated here first, so a ConfigError or UsageError leaves the models, optimizers and torch as they were."""
 import itertools
+import sys
 
 import torch
 
@@ -135,6 +136,17 @@ def _check_models(models):
             raise UsageError(f"the model is already wrapped in {type(model).__name__}; call amp_patch.initialize() "
                              f"on the bare model first, then wrap it: model = {type(model).__name__}(model, ...)")
 
+
+
+def uncompiled(models):
+    """The models ``torch.compile(model)`` wrapped, in place of their wrappers: amp_patch sets up the model itself
+    (its hooks then run inside the compiled region, as for a model compiled after ``initialize``); the caller gets
+    the wrapper back and calls it as before."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # (not imported: nothing was compiled)
+    if eval_frame is None:
+        return models
+    wrapper = eval_frame.OptimizedModule
+    return [model._orig_mod if isinstance(model, wrapper) else model for model in models]
 
 
 def check_incoming_fp32(models, allow):

@@ -91,3 +91,47 @@ def test_the_wrappers_thread_guard_compiles_without_breaks_and_keeps_regions(mon
     assert [t.dtype for t in eager] == [t.dtype for t in compiled] == [torch.bfloat16, torch.float32]
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
     torch._dynamo.reset()
+
+
+def _train(model, opt, x, y, steps=3):
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        with amp_patch.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("called_before", [False, True], ids=["fresh", "called-before"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_a_compiled_model_passed_to_initialize_trains_as_one_compiled_after(level, called_before):
+    """``initialize(torch.compile(model), ...)`` sets up the model inside the wrapper and returns the wrapper (it
+    failed inside dynamo: O1's autocast state changed while tracing, O2's hooks mutated a traced module)."""
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    results = []
+    for compiled_first in (True, False):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if compiled_first:
+            wrapper = torch.compile(model, backend="eager")
+            if called_before:
+                wrapper(x)
+            returned, opt = amp_patch.initialize(wrapper, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                                 verbosity=0)
+            assert returned is wrapper
+        else:
+            model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16, verbosity=0)
+            returned = torch.compile(model, backend="eager")
+        try:
+            results.append(_train(returned, opt, x, y))
+        finally:
+            amp_patch.deinitialize()
+    torch._dynamo.reset()
+    (losses, params), (ref_losses, ref_params) = results
+    assert torch.equal(losses, ref_losses)
+    assert all(torch.equal(p, r) for p, r in zip(params, ref_params))

@@ -23,6 +23,7 @@ from ..config.dtypes import FLOAT_DTYPES, HALF_DTYPES
 from ..errors import UsageError
 from ..weights.compute_copies import ComputeCopies
 from ..weights.state_dict import LoadMastersHook, StateDictHook
+from .attention_masks import MasksLikeQuery, attention_modules
 
 _BATCHNORM = (torch.nn.modules.batchnorm._BatchNorm,)
 
@@ -323,6 +324,8 @@ class ModelPatch:
         self.cast_outputs(output_dtype, fp64)
         if input_dtype in HALF_DTYPES:
             self._keep_modules_fp32(keep_types, input_dtype)
+            for attention in attention_modules(self.model, keep_types):
+                self.handles.append(attention.register_forward_pre_hook(MasksLikeQuery(), with_kwargs=True))
 
     def _keep_modules_fp32(self, keep_types, half):
         """User-named fp32 modules (not batchnorm, which takes half input natively) run on fp32 input."""

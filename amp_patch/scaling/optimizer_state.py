@@ -37,6 +37,7 @@ moments and step counts) changes, and LR schedulers still see a real call.
 optimizer's own grads: the half model grads under master weights and the pending scale, so after a failed
 batch ``zero_grad()`` forgets it exactly as it would without amp_patch.
 """
+import sys
 import threading
 
 import torch
@@ -68,6 +69,7 @@ class OptimizerState(ForeignGrads, NextStepStage):
         self.forgotten = ForgottenScaleLoss(unscaled_warning)  # a plain backward where scale_loss was meant
         self.zero_grads_in_place = False  # Apex's O2 zero_grad (the alias): grads zeroed in place, masters' None
         self.stepping = 0  # inside step() (a closure's scale_loss runs there)
+        self.step_frame = None  # the frame of torch's step wrapper that ran the outermost pre-hook
         self.closure_overflow = False  # a closure's backward overflowed: its grads were zeroed
         self.snapshot = None  # inside step(closure): what the step can change, as it began (closure_steps.py)
         self.state_casts = []  # existing optimizer state given its param's dtype (scaling/state_casts.py)
@@ -331,6 +333,10 @@ class OptimizerState(ForeignGrads, NextStepStage):
 
     # -- step hooks -----------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs):
+        if self.stepping and self._inside_step():  # a subclass's step() calling super().step(): torch runs the
+            self.stepping += 1                         # hooks again; it is one step
+            return
+        self.step_frame = sys._getframe(1)  # torch's step wrapper running the hooks (a step that raised leaves it)
         masters = self.masters
         if masters is not None:
             masters.sync_groups()
@@ -347,14 +353,13 @@ class OptimizerState(ForeignGrads, NextStepStage):
         if self.pending is not None:  # the last backward was delayed (or raised): finish it now
             self._finish_delayed(self.pending.scaler)
         skipped = self._take_step()
-        self.stepping += 1
+        self.stepping = 1
         if masters is not None:
             if masters.groups_checked():
                 self.set_aside, self.own_exit = [], None
             masters.before_step()
-        if self.stepping == 1:  # (the outermost step: a subclass's step calling super().step() is one step)
-            keep = closure is not None or (skipped and not hiding_grads_skips(optimizer))
-            self.snapshot = StepSnapshot(optimizer) if keep else None
+        keep = closure is not None or (skipped and not hiding_grads_skips(optimizer))
+        self.snapshot = StepSnapshot(optimizer) if keep else None
         if skipped:
             self.set_aside = []
             for group in optimizer.param_groups:
@@ -362,6 +367,15 @@ class OptimizerState(ForeignGrads, NextStepStage):
                     p.grad = None
             for model_p, _ in self.pairs:
                 model_p.grad = None
+
+    def _inside_step(self):
+        """Whether the step whose pre-hook ran last is still running in this thread (not one that raised)."""
+        frame, caller = self.step_frame, sys._getframe(2)
+        while caller is not None:
+            if caller is frame:
+                return True
+            caller = caller.f_back
+        return False
 
     def _finish_delayed(self, scaler):
         """SCALED -> UNSCALED inside step(): unscale, agree on overflow across ranks, update ``scaler`` (DOOMED
@@ -373,14 +387,15 @@ class OptimizerState(ForeignGrads, NextStepStage):
         self.note_update(scaler, memento, found)
 
     def _post_step(self, optimizer, args, kwargs):
+        if self.stepping > 1:  # (an inner step() of a subclass's super().step(): the outermost one finishes)
+            self.stepping -= 1
+            return
+        self.stepping, self.step_frame = 0, None
         self.busy.pop(threading.get_ident(), None)
         self.undo_updates.clear()
         if self.engine is not None:
             self.engine.resume_after_step()
-        self.stepping = max(self.stepping - 1, 0)
         incomplete = None
-        if self.stepping:  # (an inner step() of a subclass's super().step(): the outermost one undoes)
-            return
         if self.closure_overflow:  # (the scaler backed off already; the next step is not skipped for it)
             if self.snapshot is not None:  # (None: a scale_loss inside another optimizer's step without a closure)
                 incomplete = self._undo_step("closure")

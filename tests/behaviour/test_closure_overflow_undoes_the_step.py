@@ -91,6 +91,30 @@ class Lookahead(torch.optim.Optimizer):
         return loss
 
 
+def _subclass_of(base, **options):
+    """A user's subclass of a torch optimizer: its own counter and a decoupled decay, then ``super().step()``. Once
+    any instance of ``base`` exists, torch runs the step hooks for both classes' ``step`` (nested: one step)."""
+
+    class Subclass(base):
+        def __init__(self, params):
+            super().__init__(params, **options)
+            self.count = 0
+
+        def step(self, closure=None):
+            self.count += 1
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        p.mul_(0.999)
+            return super().step(closure)
+
+    def make(params):
+        base([torch.zeros(1, requires_grad=True)], **options)  # (torch hooks base.step from now on)
+        return Subclass(params)
+
+    return make
+
+
 OPTIMIZERS = {
     "SGD momentum wd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1),
     "Adam": lambda p: torch.optim.Adam(p, lr=1e-2),
@@ -107,6 +131,8 @@ OPTIMIZERS = {
     "SAM over SGD momentum": lambda p: Sam(p, torch.optim.SGD, lr=0.1, momentum=0.9),
     "wrapper of AdamW": Wrapper,
     "Lookahead over SGD momentum": Lookahead,
+    "subclass of SGD momentum": _subclass_of(torch.optim.SGD, lr=0.1, momentum=0.9),
+    "subclass of Adam": _subclass_of(torch.optim.Adam, lr=1e-2),
 }
 _BASE = set(vars(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)))
 

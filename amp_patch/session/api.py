@@ -39,6 +39,7 @@ from .checks import (  # noqa: F401
     check_no_inner_optimizers,
     check_no_shared_params,
     check_step_hooks,
+    engine_for,
     hybrid_device_types,
     uncompiled,
 )
@@ -94,7 +95,8 @@ def open_session(call, api):
     session.grad_enabled = torch.is_grad_enabled()  # what undoing a failed (or interrupted) initialize leaves
     session.parallel.fsdp_groups = fsdp_groups
     try:
-        _build(session, model_list, opt_list, scalers, table, c.allow_banned, c.log_all_ranks, c.cast_engine)
+        _build(session, model_list, opt_list, scalers, table, c.allow_banned, c.log_all_ranks,
+               engine_for(c.cast_engine, model_list))
         session.parallel.unsharded_models = unsharded
         _set_up_diagnostics(session, model_list, c.diagnose_overflow, c.history_size)
         _log_configuration(props, c.verbosity)

@@ -1,6 +1,7 @@
 """The checks ``initialize`` runs before it changes anything (moved out of frontend.py unchanged): every argument
 is validated here first, so a ConfigError or UsageError leaves the models, optimizers and torch as they were."""
 import itertools
+import logging
 import sys
 
 import torch
@@ -12,6 +13,8 @@ from ..errors import ConfigError, UsageError
 from ..parallel import ddp as distributed
 from ..scaling.scaler import LossScaler
 from . import state as _state
+
+log = logging.getLogger("amp_patch")
 
 _WRAPPERS = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
 
@@ -147,6 +150,23 @@ def uncompiled(models):
         return models
     wrapper = eval_frame.OptimizedModule
     return [model._orig_mod if isinstance(model, wrapper) else model for model in models]
+
+
+def engine_for(cast_engine, models):
+    """``cast_engine``, except that a model holding a compiled submodule (``torch.compile(layer)`` inside an eager
+    forward) gets the Python engine for the default hybrid one: the hybrid engine turns native autocast on for the
+    forward, and dynamo refuses to trace a frame while that state is not its own ("Global autocast state changed
+    while dynamo tracing"). The Python engine casts the same bits (it is the hybrid engine's oracle)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if cast_engine != "hybrid" or eval_frame is None:
+        return cast_engine
+    compiled = [name for model in models for name, module in model.named_modules()
+                if isinstance(module, eval_frame.OptimizedModule)]
+    if compiled:
+        log.info("amp_patch: compiled submodule %r inside the model: O1 casts with the Python engine "
+                 "(cast_engine='python'; the same casts, each op in Python)", compiled[0])
+        return "python"
+    return cast_engine
 
 
 def check_incoming_fp32(models, allow):

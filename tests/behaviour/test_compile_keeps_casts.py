@@ -135,3 +135,37 @@ def test_a_compiled_model_passed_to_initialize_trains_as_one_compiled_after(leve
     (losses, params), (ref_losses, ref_params) = results
     assert torch.equal(losses, ref_losses)
     assert all(torch.equal(p, r) for p, r in zip(params, ref_params))
+
+
+class _CompiledInside(torch.nn.Module):
+    """An eager forward calling a compiled submodule (``torch.compile(layer)`` kept as an attribute)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+        self.inner = torch.compile(torch.nn.Linear(8, 8), backend="eager")
+
+    def forward(self, x):
+        return self.b(torch.relu(self.inner(self.a(x))))
+
+
+def test_o1_with_a_compiled_submodule_inside_an_eager_forward_casts_as_the_python_engine():
+    """The hybrid engine's native region made dynamo refuse the submodule's frame ("Global autocast state changed
+    while dynamo tracing"); such a model gets the Python engine, whose casts are the same."""
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    results = []
+    for engine in ("hybrid", "python"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _CompiledInside()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp_patch.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0,
+                                          cast_engine=engine)
+        try:
+            results.append(_train(model, opt, x, y))
+        finally:
+            amp_patch.deinitialize()
+    torch._dynamo.reset()
+    (losses, params), (ref_losses, ref_params) = results
+    assert torch.equal(losses, ref_losses)
+    assert all(torch.equal(p, r) for p, r in zip(params, ref_params))

@@ -9,6 +9,7 @@ path only: the other one (``scaled_dot_product_attention``) takes the fp32 mask 
 import torch
 
 from .._torch.hooks import FAST_PATH_TYPES, SessionHook
+from ..weights.compute_copies import kept_fp32_ids
 
 _MASKS = ((3, "key_padding_mask"), (5, "attn_mask"))  # positions in MultiheadAttention.forward's signature
 _NEED_WEIGHTS = (4, "need_weights")
@@ -43,7 +44,6 @@ def attention_modules(model, keep_types):
     """The ``MultiheadAttention`` modules of ``model`` that run in half: not kept fp32, not inside a fast-path
     layer (it calls them with ``need_weights=False``, and a hook inside would cost it nothing but time)."""
     inside = {id(m) for layer in model.modules() if isinstance(layer, FAST_PATH_TYPES) for m in layer.modules()}
-    kept = {id(m) for module in model.modules() if keep_types and isinstance(module, keep_types)
-            for m in module.modules()}
+    kept = kept_fp32_ids(model, keep_types)
     return [m for m in model.modules() if isinstance(m, torch.nn.MultiheadAttention)
             and id(m) not in inside and id(m) not in kept]

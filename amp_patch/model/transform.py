@@ -21,7 +21,7 @@ from .._torch.hooks import FAST_PATH_TYPES, ForwardHook, InertHook, SessionHook,
 from ..casting.wrappers import cast_tree
 from ..config.dtypes import FLOAT_DTYPES, HALF_DTYPES
 from ..errors import UsageError
-from ..weights.compute_copies import ComputeCopies
+from ..weights.compute_copies import ComputeCopies, kept_fp32_ids
 from ..weights.state_dict import LoadMastersHook, StateDictHook
 from .attention_masks import MasksLikeQuery, attention_modules
 
@@ -156,8 +156,9 @@ class CastInputs(ForwardHook):
 
 
 def _check_dtypes(model, dtype, keep_types):
+    kept = kept_fp32_ids(model, keep_types)
     for name, module in model.named_modules():
-        if keep_types and isinstance(module, keep_types):
+        if id(module) in kept:
             continue
         for pname, p in module.named_parameters(recurse=False):
             if p.dtype in FLOAT_DTYPES and p.dtype is not torch.float64 and p.dtype is not dtype:
@@ -264,9 +265,9 @@ class ModelPatch:
 
         Returns ``{id(param): fp32 data}`` for params that changed dtype (zero-copy: the old storage).
         """
-        old_data = {}
+        old_data, kept = {}, kept_fp32_ids(self.model, keep_types)
         for module in self.model.modules():
-            if keep_types and isinstance(module, keep_types):
+            if id(module) in kept:
                 continue
             named = list(module.named_parameters(recurse=False)) if params else []
             for name, t in named + list(module.named_buffers(recurse=False)):
@@ -332,8 +333,10 @@ class ModelPatch:
         extra = tuple(t for t in keep_types if not issubclass(t, _BATCHNORM))
         if not extra:
             return
-        for module in self.model.modules():
-            if isinstance(module, extra):
+        kept = [m for m in self.model.modules() if isinstance(m, extra)]
+        inner = {id(m) for module in kept for m in module.modules() if m is not module}
+        for module in kept:
+            if id(module) not in inner:  # (the outermost: the modules inside it run on its fp32 activations)
                 self.handles.append(module.register_forward_pre_hook(CastArgsTo(), with_kwargs=True))
                 self.handles.append(module.register_forward_hook(CastOutputsLike(self.like, half)))
 

@@ -44,6 +44,14 @@ DRAIN_S, POLL_S = 60.0, 0.0005
 LIVE = []  # the attached ComputeCopies (recompute_copies re-enters their calls)
 
 
+def kept_fp32_ids(model, keep_types):
+    """Ids of the modules that stay fp32: each module of ``keep_types`` (``keep_fp32_modules``, batchnorm) with
+    every module inside it (a kept ``MultiheadAttention`` keeps its ``out_proj``)."""
+    if not keep_types:
+        return set()
+    return {id(m) for module in model.modules() if isinstance(module, keep_types) for m in module.modules()}
+
+
 class _Install(SessionHook):
     def __init__(self, owner):
         self.owner = owner
@@ -145,9 +153,9 @@ class ComputeCopies:
     def _collect(self):
         """The (module, name) slots of floating params outside kept-fp32 modules, once per registration change;
         their modules get a :class:`~.thread_params.ThreadParams`."""
-        slots = []
+        slots, kept = [], kept_fp32_ids(self.model, self.keep_types)
         for module in self.model.modules():
-            if self.keep_types and isinstance(module, self.keep_types):
+            if id(module) in kept:
                 continue
             for name, p in dict.items(module._parameters):
                 if p is not None and p.dtype in FLOAT_DTYPES:
@@ -166,8 +174,9 @@ class ComputeCopies:
         the others: the half dtype (kept-fp32 modules keep theirs)."""
         if self.adopt is None:
             return
+        kept = kept_fp32_ids(self.model, self.keep_types)
         for module in self.model.modules():
-            if self.keep_types and isinstance(module, self.keep_types):
+            if id(module) in kept:
                 continue
             for name, buffer in module._buffers.items():
                 if (buffer is not None and buffer.dtype in FLOAT_DTYPES and buffer.dtype is not self.dtype

@@ -228,3 +228,39 @@ def test_skipped_version_dependent_entries_are_reported(caplog):
         amp_patch.initialize(torch.nn.Linear(1, 1), opt_level="O1", op_lists=spec, verbosity=0)
     assert "1 op-list entry skipped" in caplog.text and "torch.future_op" in caplog.text
     assert "needs torch >= 99.0" in caplog.text
+
+
+class _Block(torch.nn.Module):
+    """A composite module a user keeps fp32: children of its own (an attention with its out_proj, a Sequential)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(torch.nn.Linear(8, 8)))
+
+    def forward(self, h):
+        return self.mlp(self.attention(h, h, h)[0])
+
+
+@pytest.mark.parametrize("kept", [torch.nn.MultiheadAttention, torch.nn.Sequential, _Block])
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_kept_fp32_module_runs_fp32_with_every_module_inside_it(level, kept):
+    """The kept module's inputs were cast to fp32 while the modules inside it ran in half (a raw dtype error)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _Block(), torch.nn.Linear(8, 3))
+    opt = _opt(model)
+    model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16, verbosity=0,
+                                      keep_fp32_modules=(kept,))
+    try:
+        dtypes = compute_dtypes(model, torch.randn(2, 5, 8))
+        kept_inside = {param for name, module in model.named_modules() if isinstance(module, kept)
+                       for param, _ in module.named_parameters(prefix=name, remove_duplicate=False)}
+        loss = model(torch.randn(2, 5, 8)).float().sum()
+        with amp_patch.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    finally:
+        amp_patch.deinitialize()
+    assert kept_inside
+    for name, dtype in dtypes.items():
+        assert dtype == (torch.float32 if name in kept_inside else torch.bfloat16), (name, dtype)

@@ -187,8 +187,12 @@ class ComputeCopies:
         return self.traced if torch.compiler.is_compiling() else self.call
 
     def in_call(self):
-        """The module whose call (in this thread) holds copies now, or None."""
+        """The module whose call (in this thread) holds copies now, or None. Outside dynamo that includes a compiled
+        call whose eager part runs now (the code past a graph break, a checkpoint's first run there): the copies its
+        traced hooks put in place are that call's."""
         state = self._state()
+        if not state.depth and state is self.call:
+            state = self.traced
         return state.called if state.depth else None
 
     def install(self, called=None):

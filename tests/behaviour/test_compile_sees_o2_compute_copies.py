@@ -88,3 +88,48 @@ def test_a_weight_read_after_its_modules_call_in_a_compiled_forward_is_the_copy(
     model = _o2(_Outer())
     assert model(X[:, :8])[1] == (torch.bfloat16,) * 3
     assert torch.compile(model, backend="eager")(X[:, :8])[1] == (torch.bfloat16,) * 3
+
+
+class _BreakThenCheckpoint(torch.nn.Module):
+    """A checkpointed segment reading a weight whose module it does not call, run in the eager part of a compiled
+    call (HF T5's shape under torch.compile: its layers' checkpoint runs past a graph break)."""
+
+    def __init__(self, use_reentrant):
+        super().__init__()
+        self.use_reentrant = use_reentrant
+        self.a, self.b, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def segment(self, h):
+        return torch.relu(torch.nn.functional.linear(h, self.b.weight, self.b.bias))
+
+    def forward(self, x):
+        return self.head(self.checkpointed(self.a(x)))
+
+    @torch._dynamo.disable  # (run by dynamo as a graph break: eagerly, inside the compiled call)
+    def checkpointed(self, h):
+        return torch.utils.checkpoint.checkpoint(self.segment, h, use_reentrant=self.use_reentrant)
+
+
+def _train(compiled, use_reentrant, steps=2):
+    torch.manual_seed(0)
+    model = _BreakThenCheckpoint(use_reentrant)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    run = torch.compile(model, backend="eager") if compiled else model
+    try:
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = run(X.requires_grad_(use_reentrant)).float().pow(2).mean()
+            with amp_patch.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+    finally:
+        amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_a_checkpoint_in_the_eager_part_of_a_compiled_call_recomputes_on_its_copies(use_reentrant):
+    """The recompute re-enters the compiled call's copies (it saw no call: the traced call's state was not read)."""
+    eager, compiled = _train(False, use_reentrant), _train(True, use_reentrant)
+    assert all(torch.equal(p, q) for p, q in zip(compiled, eager))

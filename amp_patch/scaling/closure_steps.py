@@ -68,7 +68,7 @@ class StepSnapshot:
         if lost:
             name = type(self.optimizers[0]).__name__
             what = (f"an overflow in the closure of {name}.step(closure)" if why == "closure" else
-                    f"{name}.step() was to be skipped (an earlier overflow) and ran with its grads hidden")
+                    f"{name}.step() was to be skipped (an earlier overflow) and ran, to be undone")
             fix = ", or step without a closure (scale_loss around the backward, then step())" * (why == "closure")
             raise UsageError(
                 f"{what}: amp_patch put back the params, the optimizer state and the param groups, but cannot put "
@@ -80,7 +80,8 @@ class StepSnapshot:
 def hiding_grads_skips(optimizer):
     """Whether a step with every grad hidden (None) changes nothing: torch's own optimizers and amp_patch's Apex
     ones skip a param without a grad. Any other optimizer's ``step()`` may change more (a Lookahead's counter and
-    slow weights move on a step without grads), so a skipped step of it is undone from a copy, as a closure's."""
+    slow weights move on a step without grads) or read ``p.grad`` unchecked, so a skipped step of it runs with its
+    (non-finite) grads and is undone from a copy, as a closure's."""
     return type(optimizer).__module__.startswith(("torch.optim.", "amp_patch."))
 
 

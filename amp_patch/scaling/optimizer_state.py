@@ -362,11 +362,16 @@ class OptimizerState(ForeignGrads, NextStepStage):
         self.snapshot = StepSnapshot(optimizer) if keep else None
         if skipped:
             self.set_aside = []
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None
-            for model_p, _ in self.pairs:
-                model_p.grad = None
+            if self.snapshot is None:  # torch's optimizers pass over a param without a grad: hiding them skips
+                self._drop_grads()
+            # (any other optimizer's step runs with its grads, which it may read, and is undone from the copy)
+
+    def _drop_grads(self):
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        for model_p, _ in self.pairs:
+            model_p.grad = None
 
     def _inside_step(self):
         """Whether the step whose pre-hook ran last is still running in this thread (not one that raised)."""
@@ -400,9 +405,10 @@ class OptimizerState(ForeignGrads, NextStepStage):
             if self.snapshot is not None:  # (None: a scale_loss inside another optimizer's step without a closure)
                 incomplete = self._undo_step("closure")
             self.last_skipped, self.next_step, self.closure_overflow = incomplete is None, READY, False
-        elif self.last_skipped and self.snapshot is not None:  # a skipped step that ran more than its grads' math
+        elif self.last_skipped and self.snapshot is not None:  # a skipped step that ran (see _pre_step): undone
             incomplete = self._undo_step("skipped")
             self.last_skipped = incomplete is None
+            self._drop_grads()
         self.snapshot = None
         if self.masters is not None:
             self.masters.after_step(self.last_skipped)

@@ -208,12 +208,26 @@ def test_an_overflowing_closure_leaves_params_and_optimizer_state_as_they_were(n
 NEED_A_CLOSURE = ("LBFGS", "SAM over SGD momentum")
 
 
+class ClampsGrads(torch.optim.SGD):
+    """A user's optimizer reading ``p.grad`` without a None check (it crashed when a skipped step hid the grads)."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad.clamp_(-0.5, 0.5)
+        return super().step(closure)
+
+
+SKIPPED = {**{name: make for name, make in OPTIMIZERS.items() if name not in NEED_A_CLOSURE},
+           "subclass clamping p.grad": lambda p: ClampsGrads(p, lr=0.1, momentum=0.9)}
+
+
 @pytest.mark.parametrize("level", ["O1", "O2"])
-@pytest.mark.parametrize("name", [name for name in OPTIMIZERS if name not in NEED_A_CLOSURE])
+@pytest.mark.parametrize("name", list(SKIPPED))
 def test_a_step_skipped_after_an_overflow_leaves_params_and_optimizer_state_as_they_were(name, level):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
-    opt = OPTIMIZERS[name](model.parameters())
+    opt = SKIPPED[name](model.parameters())
     model, opt = amp_patch.initialize(model, opt, opt_level=level, half_dtype=HALF, verbosity=0, loss_scale=128.0)
     x, y = torch.randn(8, 4), torch.randn(8, 3)
 

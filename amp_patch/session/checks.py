@@ -12,6 +12,7 @@ from ..config.oplist import default_list_name, load_op_lists
 from ..errors import ConfigError, UsageError
 from ..parallel import ddp as distributed
 from ..scaling.scaler import LossScaler
+from ..weights.compute_copies import kept_fp32_ids
 from . import state as _state
 
 log = logging.getLogger("amp_patch")
@@ -223,7 +224,27 @@ def _check_the_rest(props, history_size, op_lists, models):
     """The last checks before initialize changes anything; returns the op table."""
     if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
         raise ConfigError(f"history_size={history_size!r}; pass a positive number of steps to keep")
+    _check_kept_inside_attention(props, models)
     return _load_table(props, op_lists, models)
+
+
+def _check_kept_inside_attention(props, models):
+    """A kept module that a half ``MultiheadAttention`` reads without calling it (its ``out_proj``, a ``Linear``
+    subclass) cannot run fp32: the attention's functional forward would mix its fp32 weight with half activations."""
+    keep = props.keep_fp32_modules
+    if not keep or props.model_cast not in HALF_DTYPES:
+        return
+    for model in models:
+        kept = kept_fp32_ids(model, keep)
+        for name, module in model.named_modules():
+            attention = isinstance(module, torch.nn.MultiheadAttention)
+            if attention and id(module) not in kept and id(module.out_proj) in kept:
+                where = f"{name}.out_proj" if name else "out_proj"
+                raise ConfigError(
+                    f"keep_fp32_modules={keep!r} keeps {where!r} ({type(module.out_proj).__name__}), which its "
+                    f"MultiheadAttention {name or type(model).__name__!r} reads without calling it, in half: it "
+                    "cannot run fp32 on its own. Keep the attention too (add torch.nn.MultiheadAttention to "
+                    "keep_fp32_modules), or keep a narrower type than the one that matches out_proj")
 
 
 def check_cast_engine(cast_engine):

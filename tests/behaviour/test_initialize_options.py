@@ -264,3 +264,20 @@ def test_a_kept_fp32_module_runs_fp32_with_every_module_inside_it(level, kept):
     assert kept_inside
     for name, dtype in dtypes.items():
         assert dtype == (torch.float32 if name in kept_inside else torch.bfloat16), (name, dtype)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_keeping_the_type_of_an_attentions_out_proj_without_the_attention_is_refused_naming_the_fix(level):
+    """``keep_fp32_modules=(nn.Linear,)`` matched ``MultiheadAttention.out_proj``, which the attention reads without
+    calling it: a raw dtype error at the first forward. Refused at initialize, before anything changes."""
+    model = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    with pytest.raises(ConfigError, match=r"'self_attn.out_proj'.*add torch.nn.MultiheadAttention"):
+        amp_patch.initialize(model, _opt(model), opt_level=level, half_dtype=torch.bfloat16, verbosity=0,
+                             keep_fp32_modules=(torch.nn.Linear,))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    model, _ = amp_patch.initialize(model, _opt(model), opt_level=level, half_dtype=torch.bfloat16, verbosity=0,
+                                    keep_fp32_modules=(torch.nn.Linear, torch.nn.MultiheadAttention))
+    try:
+        model(torch.randn(2, 3, 8))
+    finally:
+        amp_patch.deinitialize()

@@ -43,6 +43,8 @@ class StepSnapshot:
         self.states = [(opt, {p: _copy_entries(s) for p, s in opt.state.items()}) for opt in self.optimizers]
         self.groups = [(g, {k: _copy_value(v) for k, v in g.items() if k != "params"})
                        for opt in self.optimizers for g in opt.param_groups]
+        self.group_lists = [(opt, list(opt.param_groups)) for opt in self.optimizers]  # a group added is removed
+        self.rng = _rng_states()
         memo = {id(p): p for p in params}
         memo.update((id(opt), opt) for opt in self.optimizers)
         self.attrs = [(opt, _copy_attrs(opt, memo)) for opt in self.optimizers]
@@ -59,8 +61,15 @@ class StepSnapshot:
         for opt, saved in self.states:
             opt.state.clear()
             opt.state.update(saved)
+        for opt, groups in self.group_lists:
+            opt.param_groups[:] = groups
         for group, saved in self.groups:
+            params = group["params"]
+            group.clear()  # (a key the step added goes too)
+            group["params"] = params
             group.update(saved)
+        if why == "skipped":  # a skipped step draws no random numbers (GradScaler never calls it)
+            _set_rng_states(self.rng)
         lost = []
         for opt, (saved, uncopyable) in self.attrs:
             _restore_attrs(opt, saved, uncopyable)
@@ -75,6 +84,19 @@ class StepSnapshot:
                 f"back {', '.join(lost)}: it could not be copied as the step began (copy.deepcopy failed), so the "
                 "step is not undone completely and is not reported skipped. Make the attribute deep-copyable (or "
                 f"keep it off the optimizer object){fix}")
+
+
+def _rng_states():
+    """torch's global generators: the CPU one and, where CUDA is initialized, each device's."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_states(states):
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def hiding_grads_skips(optimizer):

@@ -218,8 +218,28 @@ class ClampsGrads(torch.optim.SGD):
         return super().step(closure)
 
 
+class Restless(torch.optim.SGD):
+    """A user's optimizer whose step adds a group key, a param group (its first step) and random noise."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.1)
+        self.extra = torch.nn.Parameter(torch.zeros(2))
+
+    def step(self, closure=None):
+        if self.extra is not None:
+            self.add_param_group({"params": [self.extra]})
+            self.extra = None
+        with torch.no_grad():
+            for group in self.param_groups:
+                group["total"] = group.get("total", 0.0) + 1.0
+                for p in group["params"]:
+                    p.add_(torch.randn_like(p), alpha=1e-3)
+        return super().step(closure)
+
+
 SKIPPED = {**{name: make for name, make in OPTIMIZERS.items() if name not in NEED_A_CLOSURE},
-           "subclass clamping p.grad": lambda p: ClampsGrads(p, lr=0.1, momentum=0.9)}
+           "subclass clamping p.grad": lambda p: ClampsGrads(p, lr=0.1, momentum=0.9),
+           "adds a group, a group key and noise": Restless}
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
@@ -238,11 +258,14 @@ def test_a_step_skipped_after_an_overflow_leaves_params_and_optimizer_state_as_t
             scaled.backward()
         opt.step()
 
+    step(bad=True)  # (a first step skipped: state, groups and keys its first step would make are not made)
+    assert amp_patch.last_step_skipped(opt), name
     for _ in range(3):  # (the Lookahead syncs its slow weights on every second step: the skipped one is the 4th)
         step()
-    before = _snapshot(model, opt)
+    before, rng = _snapshot(model, opt), torch.get_rng_state()
     step(bad=True)
     assert amp_patch.last_step_skipped(opt), name
+    assert torch.equal(torch.get_rng_state(), rng), (name, "a skipped step drew random numbers")
     params, states = _snapshot(model, opt)
     assert all(torch.equal(p, b) for p, b in zip(params, before[0])), (name, "params moved")
     assert _equal(states, before[1]), (name, "optimizer state moved")

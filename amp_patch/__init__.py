@@ -19,11 +19,9 @@ from .errors import (
     UsageError,
 )
 from .parallel.fsdp2 import fully_shard
-from .session.api import (
+from .session.accessors import (
     clear_cache,
-    deinitialize,
     history,
-    initialize,
     last_overflow,
     last_step_skipped,
     load_state_dict,
@@ -31,6 +29,7 @@ from .session.api import (
     master_params,
     state_dict,
 )
+from .session.api import deinitialize, initialize
 from .session.framework_hooks import attach_optimizers, next_step_skipped
 from .session.regions import autocast
 from .session.scale_loss import scale_loss

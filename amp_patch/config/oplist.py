@@ -8,7 +8,6 @@ import importlib.resources
 import logging
 import os
 import pathlib
-import re
 from collections.abc import Mapping
 
 import torch
@@ -19,6 +18,7 @@ from . import _yaml
 from . import fp8 as _fp8
 from . import scopes as _scopes
 from .aliases import check_aliases
+from .torch_bounds import version_message, version_skip
 
 log = logging.getLogger("amp_patch")
 
@@ -197,26 +197,6 @@ def _as_seq(seq):
     return out
 
 
-def _version_message(name, key, value, path, line):
-    """A version YAML read as a number names what was written: ``2.10`` unquoted is the float 2.1."""
-    if not isinstance(value, float):
-        return f'{name}: {key} {value!r} is not a version string such as "2.1" (quote it)'
-    written = _written_token(path, line, key) or str(value)
-    return (f"{name}: {key}: YAML read {written} as the number {value!r}" + (f", not the version {written}"
-            if written != str(value) else "") + f'; quote the version: {key}: "{written}"')
-
-
-def _written_token(path, line, key):
-    """The number as the file spells it, on the entry's line or the few after it (None if not found)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()[line - 1:line + 8]
-    except (OSError, TypeError, ValueError):
-        return None
-    found = (re.search(rf"\b{key}\s*:\s*([0-9][0-9.]*)", text) for text in lines)
-    return next((m.group(1) for m in found if m), None)
-
-
 class _Document:
     """One parsed YAML document and the rules that turn it into a table."""
 
@@ -326,7 +306,7 @@ class _Document:
         spec = self._entry_spec(category, target, item, line)
         entry = OpEntry(target, spec["name"], category, self.path, line, spec.get("message"),
                         spec.get("strict", False))
-        skip_reason = _version_skip(spec)
+        skip_reason = version_skip(spec)
         if skip_reason:
             note = spec.get("note")
             self.skipped.append(SkippedEntry(entry, f"{skip_reason} ({note})" if note else skip_reason))
@@ -372,7 +352,7 @@ class _Document:
                         raise TypeError(item[key])
                     torch.torch_version.Version(str(item[key]))
                 except Exception:  # noqa: BLE001 - packaging raises its own InvalidVersion
-                    raise self.error(line, _version_message(name, key, item[key], self.opened, line), name) from None
+                    raise self.error(line, version_message(name, key, item[key], self.opened, line), name) from None
 
     def _apply_remove(self, entries, block, line):
         if not isinstance(block, _yaml.Map):
@@ -408,27 +388,6 @@ class _Document:
                           entry.path, entry.line)
             entries[key] = entry
             _fp8.move_aliases(entries, entry, previous.category if previous else None, added)
-
-
-def _release(text):
-    """``"2.13.0+cpu"`` -> ``(2, 13, 0)``; ``"2.16.0a0+git1234"`` -> ``(2, 16, 0)``."""
-    return tuple(torch.torch_version.Version(str(text)).release)
-
-
-def _version_skip(spec, version=None):
-    """Why ``spec`` is inactive on ``version`` (this torch), or None. A bound covers every release it prefixes:
-    ``max_torch: "2.13"`` keeps 2.13.1 and 2.13.0+cpu, and drops 2.14."""
-    running = _release(version or torch.__version__)
-    shown = version or torch.__version__
-    if "min_torch" in spec:
-        bound = _release(spec["min_torch"])
-        if running[:len(bound)] < bound:
-            return f"needs torch >= {spec['min_torch']}, this is {shown}"
-    if "max_torch" in spec:
-        bound = _release(spec["max_torch"])
-        if running[:len(bound)] > bound:
-            return f"needs torch <= {spec['max_torch']}, this is {shown}"
-    return None
 
 
 def inactive_report(table):

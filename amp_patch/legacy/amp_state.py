@@ -18,8 +18,8 @@ import torch
 
 from ..errors import NotInitializedError, UsageError
 from ..session import state as _state
+from ..session.accessors import master_params as _master_params
 from ..session.api import deinitialize
-from ..session.api import master_params as _master_params
 from .messages import maybe_print as _print
 from .unsupported import attribute_error
 

@@ -14,9 +14,10 @@ import logging
 
 from ..errors import UnexpectedKeysError
 from ..session import state as _state
-from ..session.api import deinitialize, state_dict
+from ..session.accessors import load_state_dict as _load_state_dict
+from ..session.accessors import state_dict
+from ..session.api import deinitialize
 from ..session.api import initialize as _initialize
-from ..session.api import load_state_dict as _load_state_dict
 from ..session.scale_loss import scale_loss
 from ..session.user_functions import (
     disable_casts,

@@ -1,4 +1,5 @@
-"""The Apex-compatible entry points: initialize, deinitialize, amp state, master params (scale_loss: scaling/)."""
+"""The Apex-compatible entry points: initialize and deinitialize (the session's readings: accessors.py; scale_loss:
+scale_loss.py)."""
 import functools
 import logging
 import types
@@ -19,7 +20,6 @@ from ..parallel import ddp as distributed
 from ..patching import early_bound
 from ..patching.patcher import Patcher
 from ..scaling.optimizer_state import OptimizerState
-from ..scaling.scaler import load_state_dict_into, state_dict_for
 from ..weights import clip_check
 from ..weights.compute_copies import check_no_calls_elsewhere
 from ..weights.storage import make_storage
@@ -388,57 +388,3 @@ def deinitialize():
     finally:
         if not closed:  # (no engine: casting stays off) a second deinitialize() retries what failed
             _state.activate(session)
-
-
-def clear_cache():
-    """Drop every cached half cast (scale_loss does this at the end of each iteration)."""
-    session = _state.current()
-    engine = _state.active_engine()
-    if session is not None:
-        session.clear_cache()
-    elif engine is not None:
-        engine.clear_cache()
-
-
-def master_params(optimizer):
-    """The params ``optimizer`` updates (fp32 masters under O2, else the model's own: half under O3); clip these."""
-    session = _state.current_session("master_params")
-    if not session.enabled:
-        return iter([p for g in optimizer.param_groups for p in g["params"]])
-    return session.scaling.state_for(optimizer).master_params()
-
-
-def last_step_skipped(optimizer):
-    """True when the optimizer's last ``step()`` was skipped because of an overflow."""
-    session = _state.current_session("last_step_skipped")
-    return session.scaling.state_for(optimizer).last_skipped if session.enabled else False
-
-
-def loss_scale(loss_id=0):
-    """The current loss scale of ``loss_id`` (e.g. to unscale an autograd.grad gradient penalty)."""
-    session = _state.current_session("loss_scale")
-    return session.scaling.scaler(loss_id).scale if session.enabled else 1.0
-
-
-def state_dict():
-    """Every scaler's state: ``{"loss_scaler0": {...}, ...}`` (Apex's keys plus amp_patch's extras)."""
-    session = _state.current_session("state_dict")
-    return state_dict_for(session.scaling.scalers) if session.enabled else {}
-
-
-def load_state_dict(state):
-    """Restore the scalers from ``state_dict()`` output (Apex checkpoints load too)."""
-    session = _state.current_session("load_state_dict")
-    if session.enabled:
-        load_state_dict_into(session.scaling.scalers, state)
-
-
-def last_overflow():
-    """The record of the last overflow seen with ``diagnose_overflow=True`` (None if none yet)."""
-    return _state.current_session("last_overflow").observe.last_overflow
-
-
-def history():
-    """Per-step records (loss id, scale before/after, skipped, overflow record), oldest first."""
-    session = _state.current_session("history")
-    return list(session.observe.history.records) if session.observe.history is not None else []

@@ -7,8 +7,9 @@ import math
 
 import torch
 
+import amp_patch as frontend
+
 from ... import scale_loss
-from ...session import api as frontend
 from ..experiment.models import as_job
 from ..experiment.runner import Config, fixed_batches
 

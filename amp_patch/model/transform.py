@@ -59,6 +59,8 @@ def _cast_once(args, kwargs, dtype, fp64=False):
     """Cast the call's floating tensors, each distinct tensor once: an argument passed several times stays one
     tensor (``MultiheadAttention``'s fused fast path needs ``query is key is value``)."""
     cast = _caster(dtype, fp64)
+    if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # model(x): the common call
+        return (cast(args[0]),), kwargs
     seen = {}  # id -> (source, cast); holding the source keeps its id unique during the call
 
     def cast_one(t):

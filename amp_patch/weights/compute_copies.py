@@ -41,6 +41,7 @@ from . import reentry, thread_params
 
 #: How long ``remove`` (deinitialize) waits for calls other threads started just before it to end, polling.
 DRAIN_S, POLL_S = 60.0, 0.0005
+_compiling = torch.compiler.is_compiling
 LIVE = []  # the attached ComputeCopies (recompute_copies re-enters their calls)
 
 
@@ -57,7 +58,13 @@ class _Install(SessionHook):
         self.owner = owner
 
     def __call__(self, module, args):
-        self.owner.install(module)
+        owner = self.owner
+        if owner.live and not _compiling():
+            call = owner.call
+            if call.depth:  # a module inside this thread's call: only the depth counts (install's inner case,
+                call.depth += 1  # inlined: every owner of cast params has this hook)
+                return
+        owner.install(module)
 
 
 class _Restore(SessionHook):
@@ -65,7 +72,13 @@ class _Restore(SessionHook):
         self.owner = owner
 
     def __call__(self, module, args, output):
-        return self.owner.uninstall(output)
+        owner = self.owner
+        if not _compiling():
+            call = owner.call
+            if call.depth > 1:  # an inner module's call ends (uninstall's inner case, inlined)
+                call.depth -= 1
+                return None
+        return owner.uninstall(output)
 
 
 class _Global(SessionHook):
@@ -184,7 +197,7 @@ class ComputeCopies:
                     self.adopt(module, name, buffer)
 
     def _state(self):
-        return self.traced if torch.compiler.is_compiling() else self.call
+        return self.traced if _compiling() else self.call
 
     def in_call(self):
         """The module whose call (in this thread) holds copies now, or None. Outside dynamo that includes a compiled

@@ -61,8 +61,10 @@ class _Install(SessionHook):
         owner = self.owner
         if owner.live and not _compiling():
             call = owner.call
-            if call.depth:  # a module inside this thread's call: only the depth counts (install's inner case,
-                call.depth += 1  # inlined: every owner of cast params has this hook)
+            # a module inside this thread's call only counts the depth: install's inner case, inlined (every
+            # owner of cast params has this hook, so it runs for each of them on every forward)
+            if call.depth:
+                call.depth += 1
                 return
         owner.install(module)
 

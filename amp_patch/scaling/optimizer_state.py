@@ -163,16 +163,21 @@ class OptimizerState(ForeignGrads, NextStepStage):
         reducer must see the whole accumulation); grads accumulated inside ``no_sync()``
         (``in_place``), which the synced backward must still reduce, are rescaled where they are.
         """
-        self._sync_groups()
-        self.claim()
-        self._drop_kept_model_grads()
-        self.forgotten.note_scaled()
-        self.check_foreign("scale_loss")
+        if self.masters is not None:  # (each guard here skips a call that would do nothing: every iteration)
+            self.masters.sync_groups()
+        if threading.get_ident() not in self.threads:
+            self.claim()
+        if self.kept_model_grads:
+            self._drop_kept_model_grads()
+        self.forgotten.scaled = True  # (ForgottenScaleLoss.note_scaled)
+        if self.foreign is not None:
+            self.check_foreign("scale_loss")
         if self.next_step is DOOMED:
             self._pardon()
         pending = self.pending
         if pending is None:
-            self._bring_to(scaler, unreduced=in_place)
+            if self.next_step is DOOMED or scaler.scale != 1.0:  # (else _bring_to has nothing to do)
+                self._bring_to(scaler, unreduced=in_place)
             self.pending = Scaled(scaler, in_place)
             return
         if pending.scaler is scaler:

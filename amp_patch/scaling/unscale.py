@@ -5,6 +5,7 @@ a static scale of 1.0 only checks (one read pass). ``unscale_into`` writes fp32 
 to) separate tensors: the O2 master grads.
 """
 import logging
+import threading
 from collections.abc import MutableSequence
 
 import torch
@@ -42,12 +43,15 @@ def _group(tensors):
 
 
 def _plain_alike(tensors):
-    """Distinct dense plain tensors, all of one device and dtype."""
-    dtype, strided = tensors[0].dtype, torch.strided
+    """Distinct dense plain tensors, all of one device and dtype (the device by its index: ``get_device()`` makes no
+    device object; two accelerator types in one list with the same index are not told apart, and the kernel then
+    refuses them)."""
+    first = tensors[0]
+    dtype, index = first.dtype, first.get_device()
     for tensor in tensors:
-        if type(tensor) is not _Tensor or tensor.dtype is not dtype or tensor.layout is not strided:
+        if type(tensor) is not _Tensor or tensor.dtype is not dtype or tensor.is_sparse or tensor.get_device() != index:
             return False
-    return len({tensor.device for tensor in tensors}) == 1 and len(set(map(id, tensors))) == len(tensors)
+    return len(set(map(id, tensors))) == len(tensors)
 
 
 def _check_and_unscale_group(tensors, found, inv_tensor, inv_scale):
@@ -97,6 +101,22 @@ def _inverse(device, inv_scale):
     return tensor
 
 
+_FLAGS = threading.local()  # .flags: device -> this thread's found-inf flag, zeroed before each use
+
+
+def _found_flag(device):
+    """A zeroed one-element fp32 flag on ``device`` for the kernel to set; one per thread and device, reused (each
+    use ends with the host reading it, so no kernel can still be writing it when the next use zeroes it)."""
+    flags = getattr(_FLAGS, "flags", None)
+    if flags is None:
+        flags = _FLAGS.flags = {}
+    flag = flags.get(device)
+    if flag is None:
+        flag = flags[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        return flag
+    return flag.zero_()
+
+
 def _unscale_groups(groups, scale):
     """Unscale every tensor of ``groups`` in place; one host sync for the found-inf flag."""
     if scale == 1.0 and torch.get_num_threads() > 1 and _numel(groups) > _READ_ONLY_MIN:
@@ -106,7 +126,7 @@ def _unscale_groups(groups, scale):
     inv_scale = 1.0 / scale
     founds = []
     for device, by_dtype in groups.items():
-        found = torch.zeros(1, dtype=torch.float32, device=device)
+        found = _found_flag(device)
         inv_tensor = _inverse(device, inv_scale)
         for tensors in by_dtype.values():
             _check_and_unscale_group(tensors, found, inv_tensor, inv_scale)

@@ -50,7 +50,6 @@ def _check_not_nested(states):
                              "outer block first, or scale the sum: scale_loss(loss1 + loss2, optimizer)")
 
 
-@contextlib.contextmanager
 def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, delay_overflow_check=False):
     """Yield ``loss.float() * scale``; on exit unscale grads, check for inf/NaN and update the loss's scaler.
 
@@ -62,24 +61,47 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
     Apex (NVIDIA BERT's post-accumulation all-reduce path). An exception inside the block
     leaves the grads scaled and pending; ``optimizer.zero_grad()`` then forgets them (docs/usage.md).
     """
-    session = _state.current_session("scale_loss")
-    if not session.enabled:
-        yield loss
-        return
-    scaler, states, delay_unscale = _begin(session, loss, optimizers, loss_id, model, delay_unscale)
-    others = _foreign_snapshots(session, states)
-    scaled, probe = _scaled(loss, scaler.scale)
-    _mark_open(states, True)
-    try:
-        yield scaled
-    finally:
+    return _Block(loss, optimizers, loss_id, model, delay_unscale, delay_overflow_check)
+
+
+class _Block:
+    """One ``scale_loss`` block (a class, not a generator: it runs on every iteration)."""
+
+    __slots__ = ("args", "session", "scaler", "states", "delay_unscale", "others", "probe")
+
+    def __init__(self, *args):
+        self.args = args
+        self.session = None
+
+    def __enter__(self):
+        loss, optimizers, loss_id, model, delay_unscale, _ = self.args
+        session = _state.current_session("scale_loss")
+        if not session.enabled:
+            return loss
+        scaler, states, self.delay_unscale = _begin(session, loss, optimizers, loss_id, model, delay_unscale)
+        self.others = _foreign_snapshots(session, states)
+        scaled, self.probe = _scaled(loss, scaler.scale)
+        self.session, self.scaler, self.states = session, scaler, states
+        _mark_open(states, True)
+        return scaled
+
+    def __exit__(self, exc_type, exc, tb):
+        session = self.session
+        if session is None:  # (disabled session)
+            return False
+        self.session = None
+        states, probe = self.states, self.probe
         _mark_open(states, False)
         if probe is not None:
             probe.remove()
-        _note_grads_written(session, states, others, loss_id)
-    if probe is not None:
-        probe.check()
-    _end(session, scaler, loss_id, states, delay_unscale, loss, delay_overflow_check)
+        _note_grads_written(session, states, self.others, self.args[2])
+        if exc_type is not None:
+            return False
+        if probe is not None:
+            probe.check()
+        loss, _, loss_id, _, _, delay_overflow_check = self.args
+        _end(session, self.scaler, loss_id, states, self.delay_unscale, loss, delay_overflow_check)
+        return False
 
 
 def _begin(session, loss, optimizers, loss_id, model, delay_unscale):
@@ -90,21 +112,24 @@ def _begin(session, loss, optimizers, loss_id, model, delay_unscale):
     scaler = session.scaling.scaler(loss_id)
     states = [session.scaling.state_for(opt) for opt in _optimizer_list(optimizers)]
     _check_not_nested(states)
-    if session.casting.engine is not None:
-        session.casting.engine.resume_after_step()
-        session.casting.engine.forget_forwards()  # the loss's forward is over (one that raised left its mark)
-    if session.parallel.no_sync_depth and any(state.pairs for state in states):
+    engine = session.casting.engine
+    if engine is not None:
+        engine.resume_after_step()
+        engine.forget_forwards()  # the loss's forward is over (one that raised left its mark)
+    parallel = session.parallel
+    if parallel.no_sync_depth and any(state.pairs for state in states):
         delay_unscale = True  # inside DDP no_sync(): master grads must wait for the synced backward's reduction
-    if session.parallel.fsdp_groups and distributed.fsdp_accumulating(session, scaler, loss_id):
+    if parallel.fsdp_groups and distributed.fsdp_accumulating(session, scaler, loss_id):
         delay_unscale = True  # FSDP2 set_requires_gradient_sync(False): the grads are not in param.grad yet
     if model is not None and any(state.pairs for state in states):
         distributed.check_unscale_inside_no_sync(model, delay_unscale)
-    if not session.parallel.masters_checked:
-        session.parallel.masters_checked = True
-        distributed.check_not_sharded_since_initialize(session.parallel.unsharded_models)
+    if not parallel.masters_checked:
+        parallel.masters_checked = True
+        distributed.check_not_sharded_since_initialize(parallel.unsharded_models)
         _warn_if_masters_diverged(states)
+    in_place = bool(parallel.no_sync_depth)
     for state in states:
-        state.before_backward(scaler, in_place=bool(session.parallel.no_sync_depth))
+        state.before_backward(scaler, in_place)
     return scaler, states, delay_unscale
 
 
@@ -155,6 +180,9 @@ def _note_grads_written(session, states, others, loss_id):
     Inside an enclosing open block, remember what this block left in its own optimizers: that is not foreign."""
     for state, snapshot in others:
         state.note_foreign(snapshot, loss_id)
+    opt_states = session.scaling.opt_states
+    if len(opt_states) == 1:  # (the one optimizer is this block's, and it is no longer open)
+        return
     ident = threading.get_ident()
     if any(state.in_scale_loss and state.used_by(ident) for state in session.scaling.opt_states.values()):
         for state in states:
@@ -163,6 +191,8 @@ def _note_grads_written(session, states, others, loss_id):
 
 def _foreign_snapshots(session, states):
     """Optimizers of the session not passed to this scale_loss: what their grads are before this backward."""
+    if len(session.scaling.opt_states) == 1:  # (the one optimizer is this block's)
+        return ()
     passed, ident = {id(state) for state in states}, threading.get_ident()
     return [(state, state.grad_snapshot()) for state in session.scaling.opt_states.values()
             if id(state) not in passed and state.used_by(ident)]

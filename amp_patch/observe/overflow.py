@@ -180,6 +180,9 @@ def skip_cause(loss, overflow, warming_up, scale, grads):
     return "grads", f"non-finite gradients in params {names}" if rows else "non-finite gradients"
 
 
+_RECORD_KEYS = ("step", "loss_id", "scale_before", "scale_after", "skipped", "overflow", "cause_kind", "cause")
+
+
 class StepHistory:
     """Per-step records in a ring buffer, plus a once-per-scaler warning when a scale collapses."""
 
@@ -198,15 +201,16 @@ class StepHistory:
     def add(self, loss_id, before, after, skipped, overflow, scaler, cause=(None, None)):
         if not skipped:
             self._succeeded.add(loss_id)
-        self.records.append({"step": self.step, "loss_id": loss_id, "scale_before": before, "scale_after": after,
-                             "skipped": skipped, "overflow": overflow, "cause_kind": cause[0],
-                             "cause": cause[1]})
+        self.records.append((self.step, loss_id, before, after, skipped, overflow, cause[0], cause[1]))
         self.step += 1
-        self._watch(loss_id, after, scaler)
+        if scaler.dynamic and loss_id not in self._warned:
+            self._watch(loss_id, after, scaler)
+
+    def rows(self):
+        """The records as dicts (kept as tuples: one is added on every step), oldest first."""
+        return [dict(zip(_RECORD_KEYS, record)) for record in self.records]
 
     def _watch(self, loss_id, scale, scaler):
-        if not scaler.dynamic or loss_id in self._warned:
-            return
         floor = scaler.hyperparameters.get("min_loss_scale")
         at_floor = floor is not None and scale <= floor
         self._at_floor[loss_id] = self._at_floor[loss_id] + 1 if at_floor else 0

@@ -51,7 +51,7 @@ from .forgotten_scale_loss import ForgottenScaleLoss
 from .scaler import LossScaler
 from .stages import DOOMED, READY, SCALED, UNSCALED, NextStepStage, Scaled
 from .state_casts import cast_state_to_params, uncast_state
-from .unscale import unscale_
+from .unscale import unscale_, unscale_usual_
 
 _UNIT_SCALE = LossScaler(1.0)  # a plain backward's grads carry no scale
 
@@ -147,8 +147,9 @@ class OptimizerState(ForeignGrads, NextStepStage):
 
     def _grads(self):
         """The grads :meth:`_grad_params` hold now (their ``.grad`` that is not None)."""
-        grads = [p.grad for p in self._grad_params()]
-        return [g for g in grads if g is not None]
+        if self.masters is None:  # (every step: one pass)
+            return [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return [p.grad for p in self._grad_params() if p.grad is not None]
 
     # -- scale_loss protocol --------------------------------------------------------------------
     def before_backward(self, scaler, in_place=False):
@@ -238,7 +239,8 @@ class OptimizerState(ForeignGrads, NextStepStage):
             return False
         found = self._unscale(scaler, keep_model_grads) or (self.pending is not None and self.pending.inf_seen)
         self.pending = None
-        self._restore_set_aside()
+        if self.set_aside:
+            self._restore_set_aside()
         if found and self.stepping:  # a closure inside step(): the step cannot be skipped any more, so the
             self._zero_grads()       # overflowed grads become zeros and the step is reported skipped
             self.closure_overflow = True
@@ -259,6 +261,8 @@ class OptimizerState(ForeignGrads, NextStepStage):
     def _unscale(self, scaler, keep_model_grads=False):
         """param grads /= scale in place; half model grads /= scale into the fp32 master grads. found_inf?"""
         grads = self._grads()
+        if self.masters is None:  # (every step of the usual loop)
+            return unscale_usual_(grads, scaler.scale) if grads else False
         found = scaler.unscale_grads(grads) if grads else False
         master_grads, master_outs, masters = [], [], []
         for model_p, master in self.pairs:
@@ -313,12 +317,16 @@ class OptimizerState(ForeignGrads, NextStepStage):
         scale_loss exit moves them into the masters' grads, which the optimizer itself zeroes). Scaler updates
         made for a step that never completed (``step()`` raised, or was never called) are rolled back, except
         backoffs after an overflow."""
-        self.claim()
-        self.busy.pop(threading.get_ident(), None)  # (a step() that raised never ran its post-hook)
-        for scaler, memento in self.undo_updates.items():
-            if memento is not None:
-                scaler.roll_back(memento)
-        self.undo_updates.clear()
+        ident = threading.get_ident()
+        if ident not in self.threads:
+            self.claim()
+        if self.busy:
+            self.busy.pop(ident, None)  # (a step() that raised never ran its post-hook)
+        if self.undo_updates:
+            for scaler, memento in self.undo_updates.items():
+                if memento is not None:
+                    scaler.roll_back(memento)
+            self.undo_updates.clear()
         for model_p, master in self.pairs:
             model_p.grad = None
             if self.zero_grads_in_place:
@@ -346,9 +354,12 @@ class OptimizerState(ForeignGrads, NextStepStage):
         if masters is not None:
             masters.sync_groups()
             masters.carry_edits()
-        self.claim()
-        self.busy[threading.get_ident()] = "optimizer.step()"
-        self.check_foreign("optimizer.step()")
+        ident = threading.get_ident()
+        if ident not in self.threads:
+            self.claim()
+        self.busy[ident] = "optimizer.step()"
+        if self.foreign is not None:
+            self.check_foreign("optimizer.step()")
         if masters is not None and masters.plain_backward_grads(self.pending, self.kept_model_grads):
             self._adopt_backward_outside()
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
@@ -402,7 +413,8 @@ class OptimizerState(ForeignGrads, NextStepStage):
             return
         self.stepping, self.step_frame = 0, None
         self.busy.pop(threading.get_ident(), None)
-        self.undo_updates.clear()
+        if self.undo_updates:
+            self.undo_updates.clear()
         if self.engine is not None:
             self.engine.resume_after_step()
         incomplete = None

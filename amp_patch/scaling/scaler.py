@@ -136,7 +136,8 @@ class LossScaler:
         self.steps += 1
         if not found_inf:
             self.last_overflow = False
-            self._report_suppressed()
+            if self._suppressed:
+                self._report_suppressed()
             self._hysteresis_tracker = self._hysteresis
             self._growth_tracker += 1
             if self._dynamic and self._growth_tracker >= self._growth_interval:

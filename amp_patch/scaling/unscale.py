@@ -112,7 +112,8 @@ def _found_flag(device):
         flags = _FLAGS.flags = {}
     flag = flags.get(device)
     if flag is None:
-        flag = flags[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        with torch.inference_mode(False):  # (made inside inference_mode, its zero_() outside would be refused)
+            flag = flags[device] = torch.zeros(1, dtype=torch.float32, device=device)
         return flag
     return flag.zero_()
 
@@ -149,6 +150,27 @@ def unscale_(grads, scale):
     for i, grad in enumerate(grads):
         _check_tensor(f"grads[{i}]", grad)
     return _unscale_groups(_group([g for g in grads if g is not None]), float(scale))
+
+
+def unscale_usual_(grads, scale):
+    """:func:`unscale_collected_` for a non-empty list of grads with no None, in one frame where it is the usual
+    model's: distinct dense plain tensors of one device and dtype, small enough for the one fused kernel (every step
+    of the usual loop comes here: each Python frame more costs about a microsecond once backward has run)."""
+    first = grads[0]
+    dtype, index = first.dtype, first.get_device()
+    for grad in grads:
+        if type(grad) is not _Tensor or grad.dtype is not dtype or grad.is_sparse or grad.get_device() != index:
+            return unscale_collected_(grads, scale)
+    device = first.device
+    if (device.type in _NO_KERNEL or len(set(map(id, grads))) != len(grads)
+            or scale == 1.0 and torch.get_num_threads() > 1 and _numel({device: {dtype: grads}}) > _READ_ONLY_MIN):
+        return unscale_collected_(grads, scale)
+    found = _found_flag(device)
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, _inverse(device, 1.0 / scale))
+    except NotImplementedError:  # (no kernel for this device type: the general path falls back and says so)
+        return unscale_collected_(grads, scale)
+    return bool(found.item())
 
 
 def unscale_collected_(grads, scale):

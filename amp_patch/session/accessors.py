@@ -55,4 +55,4 @@ def last_overflow():
 def history():
     """Per-step records (loss id, scale before/after, skipped, overflow record), oldest first."""
     session = _state.current_session("history")
-    return list(session.observe.history.records) if session.observe.history is not None else []
+    return session.observe.history.rows() if session.observe.history is not None else []

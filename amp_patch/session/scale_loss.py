@@ -293,7 +293,7 @@ def finish_step(session, scaler, loss_id, states, found_inf, loss=None):
         return
     before, memento = scaler.scale, scaler.memento()
     observe = session.observe
-    warming_up = observe.history is not None and observe.history.warming_up(loss_id, scaler)
+    warming_up = found_inf and observe.history is not None and observe.history.warming_up(loss_id, scaler)
     skip = scaler.update(found_inf)
     for state in states:
         state.note_update(scaler, memento, found_inf)

@@ -42,6 +42,7 @@ class CastingEngine:
         self.forwards = {}  # thread ident -> depth of session-model forwards open there (deinitialize checks it)
         self.cache = CastCache(self.forwards)  # (used only in those forwards and autocast() regions)
         self.disabled = DisabledThreads()
+        self._casts_off = _CastsOff(self.disabled)  # (holds no state of a use: one serves every use, nested too)
         self.to_half = make_to_half(half_dtype, self.cache, self.disabled)
         self.patcher = Patcher()
         self.tracer = None
@@ -235,7 +236,7 @@ class CastingEngine:
 
     def casts_disabled(self):
         """A context manager: the body runs with casting off in this thread (re-entrant, exception-safe)."""
-        return _CastsOff(self.disabled)
+        return self._casts_off
 
 
 class _CastsOff:

@@ -90,23 +90,21 @@ class FastRegions:
 
     # the state machine
 
-    def wanted(self, ident):
-        engine = self.engine
-        return (ident in self.depth and ident not in engine.disabled and not engine.native_regions.get(ident)
-                and engine.tracer is None)
-
     def sync(self, ident=None):
-        """Bring this thread's native state and switches in line with :meth:`wanted`."""
+        """Bring this thread's native state and switches in line with what it wants: native on while a forward of
+        the session's models is open in the thread, casting is on there, no native region of the user's is open
+        and no tracer runs (every switch change of the thread comes here)."""
         ident = _get_ident() if ident is None else ident
         if ident != _get_ident():
             return  # (a closed switch) native state is thread-local: only its own thread can change it
-        want = self.wanted(ident)
+        engine = self.engine
+        want = (ident in self.depth and ident not in engine.disabled and not engine.native_regions.get(ident)
+                and engine.tracer is None)
         if want and ident not in self.saved:
             self._turn_on(ident)
         elif not want and ident in self.saved:
             self._turn_off(ident)
-        disabled = self.engine.disabled
-        if ident in self.saved or ident in disabled:
+        if ident in self.saved or ident in engine.disabled:
             self.bypass[ident] = 1
         else:
             self.bypass.pop(ident, None)

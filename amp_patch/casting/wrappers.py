@@ -169,7 +169,7 @@ def _finish(wrapper, original, entry):
 
 def _casting_wrapper(original, entry, ctx, cast):
     """Wrapper that casts every tensor argument with ``cast`` (the ``half`` and ``float`` categories)."""
-    disabled, cast_any, tensor_types = ctx.disabled, any_caster(cast), _TENSOR_TYPES
+    disabled, cast_any, tensor_types, plain_types = ctx.disabled, any_caster(cast), _TENSOR_TYPES, _PLAIN_TYPES
 
     def wrapper(*args, **kwargs):
         if disabled and _get_ident() in disabled:
@@ -190,7 +190,8 @@ def _casting_wrapper(original, entry, ctx, cast):
                             cast(b) if type(b) in tensor_types else cast_any(b))
         if n == 1:
             return original(cast_any(args[0]))
-        return original(*map(cast_any, args))
+        return original(*[a if type(a) in plain_types else cast(a) if type(a) in tensor_types else cast_any(a)
+                          for a in args])  # (cross_entropy_loss's 6: a call only per tensor)
 
     return _finish(wrapper, original, entry)
 

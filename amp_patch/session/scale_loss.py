@@ -9,7 +9,7 @@ from .._torch import dist
 from ..errors import ConfigError, UsageError
 from ..observe.overflow import bad_grads, skip_cause
 from ..parallel import ddp as distributed
-from ..scaling.stages import DOOMED
+from ..scaling.stages import DOOMED, READY
 from . import state as _state
 from .master_sync import masters_out_of_sync
 
@@ -65,19 +65,28 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
 
 
 class _Block:
-    """One ``scale_loss`` block (a class, not a generator: it runs on every iteration)."""
+    """One ``scale_loss`` block (a class, not a generator: it runs on every iteration).
 
-    __slots__ = ("args", "session", "scaler", "states", "delay_unscale", "others", "probe")
+    The usual block of a training loop takes the steady path (:func:`_steady_state`): the state it checks makes
+    the general path's argument checks, nesting check, parallel checks, foreign-grad snapshots and notes, overflow
+    agreement and scaler counting rule idle, so they are skipped; the transitions themselves (``before_backward``,
+    ``after_backward``, ``finish_step``) are the same calls. After backward each Python frame costs 1-2 us (cold
+    caches): this is most of what a small model's step pays for amp_patch's bookkeeping."""
+
+    __slots__ = ("args", "session", "scaler", "states", "delay_unscale", "others", "probe", "steady")
 
     def __init__(self, *args):
         self.args = args
         self.session = None
 
     def __enter__(self):
-        loss, optimizers, loss_id, model, delay_unscale, _ = self.args
+        loss, optimizers, loss_id, model, delay_unscale, overflow_check = self.args
         session = _state.current_session("scale_loss")
         if not session.enabled:
             return loss
+        state = self.steady = _steady_state(session, optimizers, loss_id, model, delay_unscale, overflow_check)
+        if state is not None:
+            return self._enter_steady(session, loss, state, session.scaling.scalers[loss_id])
         scaler, states, self.delay_unscale = _begin(session, loss, optimizers, loss_id, model, delay_unscale)
         self.others = _foreign_snapshots(session, states)
         scaled, self.probe = _scaled(loss, scaler.scale)
@@ -85,11 +94,46 @@ class _Block:
         _mark_open(states, True)
         return scaled
 
+    def _enter_steady(self, session, loss, state, scaler):
+        """:meth:`__enter__` where :func:`_steady_state` holds (what ``_begin`` would still do, in order)."""
+        _check_loss(loss)
+        engine = session.casting.engine
+        if engine is not None:
+            engine.resume_after_step()
+            engine.forget_forwards()
+        state.before_backward(scaler, False)
+        scaled, self.probe = _scaled(loss, scaler.scale)
+        self.session, self.scaler = session, scaler
+        state.in_scale_loss = True  # (_mark_open)
+        state.busy[threading.get_ident()] = "a scale_loss block"
+        return scaled
+
+    def _exit_steady(self, session, state, exc_type):
+        state.in_scale_loss = False  # (_mark_open; one optimizer: no foreign grads to note)
+        state.busy.pop(threading.get_ident(), None)
+        probe = self.probe
+        if probe is not None:
+            probe.remove()
+        if exc_type is not None:
+            return False
+        if probe is not None:
+            probe.check()
+        scaler, loss_id = self.scaler, self.args[2]
+        engine = session.casting.engine
+        with quiet(session):
+            found_inf = state.after_backward(scaler, False, keep_model_grads=False)  # (no masters: nothing kept)
+            finish_step(session, scaler, loss_id, (state,), found_inf, self.args[0])
+        if engine is not None:  # (session.clear_cache, one hop)
+            engine.clear_cache()
+        return False
+
     def __exit__(self, exc_type, exc, tb):
         session = self.session
         if session is None:  # (disabled session)
             return False
         self.session = None
+        if self.steady is not None:
+            return self._exit_steady(session, self.steady, exc_type)
         states, probe = self.states, self.probe
         _mark_open(states, False)
         if probe is not None:
@@ -102,6 +146,30 @@ class _Block:
         loss, _, loss_id, _, _, delay_overflow_check = self.args
         _end(session, self.scaler, loss_id, states, self.delay_unscale, loss, delay_overflow_check)
         return False
+
+
+def _steady_state(session, optimizers, loss_id, model, delay_unscale, delay_overflow_check):
+    """The one optimizer's state when this block may take the steady path (see :class:`_Block`), else None.
+
+    It holds for a block naming the session's only optimizer by itself, with the default arguments (an existing
+    ``loss_id``), in a single process without DDP ``no_sync()`` or FSDP2, the one-time master check done, no
+    overflow diagnosis on, and that optimizer without master copies, already used in this thread, with nothing
+    pending (no scaled grads, kept half grads, set-aside grads or foreign grads), its step not doomed, and neither
+    inside a block nor inside its ``step()``."""
+    if model is not None or delay_unscale or delay_overflow_check or type(loss_id) is not int:
+        return None
+    scaling, parallel = session.scaling, session.parallel
+    if len(scaling.opt_states) != 1 or not 0 <= loss_id < len(scaling.scalers):
+        return None
+    state = scaling.opt_states.get(id(optimizers))
+    if (state is None or state.optimizer is not optimizers or state.masters is not None or state.pending is not None
+            or state.next_step is not READY or state.in_scale_loss or state.stepping or state.foreign is not None
+            or state.kept_model_grads or state.set_aside or threading.get_ident() not in state.threads):
+        return None
+    if (parallel.no_sync_depth or parallel.fsdp_groups or not parallel.masters_checked
+            or session.observe.diagnoser is not None or dist.world() is not None):
+        return None
+    return state
 
 
 def _begin(session, loss, optimizers, loss_id, model, delay_unscale):
@@ -260,7 +328,10 @@ def _counts(session, scaler, states, found_inf):
     Under Apex's API every exit counts (Apex's ``update_scale`` per exit: one back-off per overflowing
     micro-batch, the clean ones counted). Under DDP an exit in a doomed step counts nothing (both APIs): its check
     saw the whole accumulation (OptimizerState.before_backward), so an earlier loss's inf would count again."""
-    if not states or not all(state.next_step is DOOMED for state in states):
+    for state in states:
+        if state.next_step is not DOOMED:
+            return True
+    if not states:
         return True
     if dist.world_size() > 1:
         return False

@@ -9,7 +9,7 @@ from .._torch import dist
 from ..errors import ConfigError, UsageError
 from ..observe.overflow import bad_grads, skip_cause
 from ..parallel import ddp as distributed
-from ..scaling.stages import DOOMED, READY
+from ..scaling.stages import DOOMED
 from . import state as _state
 from .master_sync import masters_out_of_sync
 
@@ -151,23 +151,20 @@ class _Block:
 def _steady_state(session, optimizers, loss_id, model, delay_unscale, delay_overflow_check):
     """The one optimizer's state when this block may take the steady path (see :class:`_Block`), else None.
 
-    It holds for a block naming the session's only optimizer by itself, with the default arguments (an existing
-    ``loss_id``), in a single process without DDP ``no_sync()`` or FSDP2, the one-time master check done, no
-    overflow diagnosis on, and that optimizer without master copies, already used in this thread, with nothing
-    pending (no scaled grads, kept half grads, set-aside grads or foreign grads), its step not doomed, and neither
-    inside a block nor inside its ``step()``."""
+    It holds for a block naming the session's only optimizer by itself (no other optimizer's grads to watch),
+    with an existing ``loss_id`` and no ``model``, ``delay_unscale`` or ``delay_overflow_check``, that optimizer
+    without two-copy masters and not inside another block, in a single process outside DDP ``no_sync()`` and
+    FSDP2, once the session's one-time master check ran. Pending, set-aside or foreign grads, a doomed step, a
+    closure's block: ``before_backward``, ``after_backward`` and ``finish_step`` handle those themselves."""
     if model is not None or delay_unscale or delay_overflow_check or type(loss_id) is not int:
         return None
     scaling, parallel = session.scaling, session.parallel
     if len(scaling.opt_states) != 1 or not 0 <= loss_id < len(scaling.scalers):
         return None
     state = scaling.opt_states.get(id(optimizers))
-    if (state is None or state.optimizer is not optimizers or state.masters is not None or state.pending is not None
-            or state.next_step is not READY or state.in_scale_loss or state.stepping or state.foreign is not None
-            or state.kept_model_grads or state.set_aside or threading.get_ident() not in state.threads):
+    if state is None or state.optimizer is not optimizers or state.masters is not None or state.in_scale_loss:
         return None
-    if (parallel.no_sync_depth or parallel.fsdp_groups or not parallel.masters_checked
-            or session.observe.diagnoser is not None or dist.world() is not None):
+    if parallel.no_sync_depth or parallel.fsdp_groups or not parallel.masters_checked or dist.world() is not None:
         return None
     return state
 

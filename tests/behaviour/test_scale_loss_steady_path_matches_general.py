@@ -1,0 +1,139 @@
+"""scale_loss's steady path (the usual block skips the checks its state makes idle) leaves exactly what the general
+path leaves: random training programs (gradient accumulation, zero_grad both ways, overflows, an exception inside
+the block, loss ids, delayed unscaling, optimizers passed in a list, steps skipped or not) run both ways, and
+every step's params, grads, loss scales, step history and skip flags agree bitwise, errors included (a block
+nested in another on the same optimizer, refused on both)."""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_patch
+from amp_patch import legacy
+from amp_patch.session import scale_loss as scale_loss_module
+
+CONFIGS = [  # (API, opt level, half dtype, loss scale)
+    ("own", "O1", torch.bfloat16, None),
+    ("own", "O1", torch.float16, "dynamic"),
+    ("own", "O2", torch.float16, "dynamic"),
+    ("own", "O3", torch.float16, 128.0),
+    ("own", "O1", torch.float16, 1.0),
+    ("apex", "O1", torch.float16, "dynamic"),  # Apex's scaler rules (every exit counts)
+    ("apex", "O1", torch.float16, 1.0),  # Apex's early return: no scaler update at a static 1.0
+]
+OPS = ["block", "block", "block", "block_inf", "block_raise", "block_listed", "block_loss1", "block_delayed",
+       "block_nested", "zero", "zero_keep", "step", "step", "step_closure"]
+
+
+class _Boom(Exception):
+    pass
+
+
+def _program(seed, length=14):
+    rng = random.Random(seed)
+    return [rng.choice(OPS) for _ in range(length)]
+
+
+def _bits(t):
+    if t is None:
+        return None
+    t = t.detach()
+    return (t.dtype, tuple(t.shape), t.reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32).tolist())
+
+
+def _snapshot(model, optimizer):
+    return {
+        "params": [_bits(p) for p in model.parameters()],
+        "grads": [_bits(p.grad) for p in model.parameters()],
+        "scales": [amp_patch.loss_scale(i) for i in range(2)],
+        "history": amp_patch.history(),
+        "skipped": amp_patch.last_step_skipped(optimizer),
+        "state": repr(amp_patch.state_dict()),
+    }
+
+
+def _loss(model, x, y, inf=False):
+    loss = F.mse_loss(model(x).float(), y)
+    return loss * float("inf") if inf else loss
+
+
+def _apply(op, model, optimizer, x, y, scale_loss):
+    if op == "zero":
+        optimizer.zero_grad(set_to_none=True)
+    elif op == "zero_keep":
+        optimizer.zero_grad(set_to_none=False)
+    elif op == "step":
+        optimizer.step()
+    elif op == "step_closure":
+        def closure():
+            optimizer.zero_grad()
+            loss = _loss(model, x, y)
+            with scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+            return loss
+        optimizer.step(closure)
+    else:
+        loss = _loss(model, x, y, inf=op == "block_inf")
+        kwargs = {"loss_id": 1} if op == "block_loss1" else {"delay_unscale": True} if op == "block_delayed" else {}
+        with scale_loss(loss, [optimizer] if op == "block_listed" else optimizer, **kwargs) as scaled:
+            scaled.backward()
+            if op == "block_raise":
+                raise _Boom
+            if op == "block_nested":  # (refused: the outer block is still open)
+                with scale_loss(_loss(model, x, y), optimizer) as inner:
+                    inner.backward()
+
+
+def _run(config, program, steady):
+    api, level, dtype, loss_scale = config
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options = {"loss_scale": loss_scale} if loss_scale is not None else {}
+    if api == "apex":
+        model, optimizer = legacy.amp.initialize(model, optimizer, opt_level=level, num_losses=2, verbosity=0,
+                                                 **options)
+        scale_loss = legacy.amp.scale_loss
+    else:
+        model, optimizer = amp_patch.initialize(model, optimizer, opt_level=level, half_dtype=dtype, num_losses=2,
+                                                verbosity=0, **options)
+        scale_loss = amp_patch.scale_loss
+    data = torch.Generator().manual_seed(1)
+    log = []
+    try:
+        for op in program:
+            x, y = torch.randn(4, 8, generator=data), torch.randn(4, 4, generator=data)
+            try:
+                _apply(op, model, optimizer, x, y, scale_loss)
+                outcome = None
+            except _Boom:
+                outcome = "boom"
+            except (amp_patch.errors.UsageError, RuntimeError) as exc:
+                outcome = f"{type(exc).__name__}: {exc}"
+            log.append((op, outcome, _snapshot(model, optimizer)))
+    finally:
+        amp_patch.deinitialize()
+    return log
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-{c[1]}-{str(c[2])[6:]}-{c[3]}")
+@pytest.mark.parametrize("seed", range(6))
+def test_a_random_program_leaves_the_same_state_on_the_steady_and_general_paths(config, seed, monkeypatch):
+    program = ["block", "step"] + _program(seed)  # (the first block takes the general path: one-time checks)
+    taken = []
+    steady_state = scale_loss_module._steady_state
+
+    def counting(*args):
+        state = steady_state(*args)
+        taken.append(state is not None)
+        return state
+
+    monkeypatch.setattr(scale_loss_module, "_steady_state", counting)
+    steady = _run(config, program, steady=True)
+    assert any(taken), "the steady path never ran: this program cannot tell the two paths apart"
+    monkeypatch.setattr(scale_loss_module, "_steady_state", lambda *args: None)
+    general = _run(config, program, steady=False)
+    for i, (got, want) in enumerate(zip(steady, general)):
+        assert got == want, f"after op {i} ({program[i]}) of {program}: the steady path left {got}, the general {want}"

@@ -184,23 +184,24 @@ class CastingEngine:
     def begin_forward(self):
         """A forward of a session's model starts: end a step pause, drop the casts of the last forward (a weight
         may have changed through ``.data`` since, which nothing can detect: see ``CastCache``)."""
-        self.resume_after_step()
+        if self._paused:
+            self.resume_after_step()
         if _compiling():  # dynamo traces the hooks: no thread ident in the graph (a graph break), no cache there
             return
         self.cache.entries.clear()
         ident = threading.get_ident()
         self.forwards[ident] = self.forwards.get(ident, 0) + 1
         if self.fast is not None:
-            self.fast.open()
+            self.fast.open_eager(ident)
 
     def end_forward(self):
         """A forward of a session's model returned: the outermost drops the casts (one that raised is forgotten
         at the thread's next scale_loss: ``forget_forwards``)."""
         if _compiling():
             return
-        if self.fast is not None:
-            self.fast.close()
         ident = threading.get_ident()
+        if self.fast is not None:
+            self.fast.close_eager(ident)
         depth = self.forwards.get(ident, 0) - 1
         if depth > 0:
             self.forwards[ident] = depth

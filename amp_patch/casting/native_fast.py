@@ -51,9 +51,11 @@ class FastRegions:
     def open(self):
         """A forward starts: the outermost one is one native cache region (as the Python cache's), counted in
         native's nesting so that a user's ``torch.autocast`` region inside it does not drop the casts on exit."""
-        if _compiling():
-            return
-        ident = _get_ident()
+        if not _compiling():
+            self.open_eager(_get_ident())
+
+    def open_eager(self, ident):
+        """:meth:`open` for thread ``ident`` (this one), its caller having checked that dynamo is not tracing."""
         depth = self.depth.get(ident, 0)
         self.depth[ident] = depth + 1
         if not depth:
@@ -63,9 +65,10 @@ class FastRegions:
             self.sync(ident)
 
     def close(self):
-        if _compiling():
-            return
-        ident = _get_ident()
+        if not _compiling():
+            self.close_eager(_get_ident())
+
+    def close_eager(self, ident):
         depth = self.depth.get(ident, 0) - 1
         if depth > 0:
             self.depth[ident] = depth

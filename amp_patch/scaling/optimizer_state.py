@@ -186,10 +186,11 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
                 if memento is not None:
                     scaler.roll_back(memento)
             self.undo_updates.clear()
-        for model_p, master in self.pairs:
-            model_p.grad = None
-            if self.zero_grads_in_place:
-                master.grad = None  # (Apex: "clear the master grads that are independent of model grads")
+        if self.masters is not None:
+            for model_p, master in self.masters.pairs:
+                model_p.grad = None
+                if self.zero_grads_in_place:
+                    master.grad = None  # (Apex: "clear the master grads that are independent of model grads")
         self.kept_model_grads = []
         self.pending, self.foreign = None, None
         self._forget_fate()
@@ -222,7 +223,11 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
         if masters is not None and masters.plain_backward_grads(self.pending, self.kept_model_grads):
             self._adopt_backward_outside()
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
-        self.forgotten.check_step(self.optimizer, closure)
+        forgotten = self.forgotten
+        if forgotten.scaled:  # (a block named it since the last step: check_step has nothing to say)
+            forgotten.scaled = False
+        else:
+            forgotten.check_step(self.optimizer, closure)
         if self.engine is not None and closure is None:  # a closure runs a forward: keep casting for it
             self.engine.pause_for_step()
         if self.pending is not None:  # the last backward was delayed (or raised): finish it now

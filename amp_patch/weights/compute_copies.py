@@ -128,6 +128,7 @@ class ComputeCopies:
         self.overlaid = {}  # id(module) -> module given a ThreadParams
         self.members = set()  # ids of the model's modules (conversion_guard)
         self.adopt = None  # adopt(module, name, buffer): a float buffer registered after initialize gets cast
+        self.rnns = False  # an RNN holds a slot: its _flat_weights follow each swap (set by _collect)
         self.handles = []
 
     def attach(self):
@@ -176,6 +177,7 @@ class ComputeCopies:
                 if p is not None and p.dtype in FLOAT_DTYPES:
                     slots.append((module, name))
         self.slots[:] = slots
+        self.rnns = any(isinstance(module, torch.nn.RNNBase) for module, _ in slots)  # (their _flat_weights)
         if not torch.compiler.is_compiling():
             self.members = {id(m) for m in self.model.modules()}
             for module, _ in slots:
@@ -233,22 +235,28 @@ class ComputeCopies:
             return self._swap_traced(state, slots)
         copies = {}  # id(param) -> its copy: a tied param is cast once
         touched = set()
-        inference = torch.is_inference_mode_enabled()
+        inference, dtype, swapped = torch.is_inference_mode_enabled(), self.dtype, state.swapped
+        last, overlay = None, None  # (a module's slots are consecutive: its overlay is looked up once)
         for module, name in slots:
             params = module._parameters
             p = dict.get(params, name)
-            if p is None or p.dtype is self.dtype or p.dtype not in FLOAT_DTYPES:
+            if p is None or p.dtype is dtype or p.dtype not in FLOAT_DTYPES:
                 continue
             copy = copies.get(id(p))
             if copy is None:
-                copy = copies[id(p)] = _cast(p, self.dtype, inference)
-            if isinstance(params, thread_params.ThreadParams):
-                params.overlay()[name] = copy
+                copy = copies[id(p)] = _cast(p, dtype) if inference else p.to(dtype)
+            if params is not last:
+                last = params
+                overlay = params.overlay() if type(params) is thread_params.ThreadParams else None
+            if overlay is not None:
+                overlay[name] = copy
             else:  # (a module added since the last collect, not yet overlaid: collected again next call)
                 params[name] = copy
-            state.swapped.append((module, params, name, p, copy, copy._version))
-            touched.add(module)
-        thread_params.refresh_flat_weights(touched)
+            swapped.append((module, params, name, p, copy, copy._version))
+            if self.rnns:
+                touched.add(module)
+        if touched:
+            thread_params.refresh_flat_weights(touched)
 
     def _swap_traced(self, state, slots):
         """Under dynamo: the copies go into the shared dicts (the compiled call is one thread's call)."""
@@ -312,11 +320,13 @@ class ComputeCopies:
     def _put_back(self, state):
         """Drop this thread's copies (a slot the forward re-assigned keeps what it was given), writing back into
         the fp32 param any in-place edit the call made to a copy (Embedding's max_norm, a hook clamping weights)."""
-        touched, written = set(), set()
-        while state.swapped:
-            module, params, name, param, copy, version = state.swapped.pop()
-            if isinstance(params, thread_params.ThreadParams) and state is self.call:
-                overlay = params.overlay()
+        touched, written, swapped = set(), set(), state.swapped
+        own, last, overlay = state is self.call, None, None
+        while swapped:
+            module, params, name, param, copy, version = swapped.pop()
+            if own and type(params) is thread_params.ThreadParams:
+                if params is not last:  # (a module's slots are consecutive: its overlay is looked up once)
+                    last, overlay = params, params.overlay()
                 if overlay.get(name) is copy:
                     del overlay[name]
             elif dict.get(params, name) is copy:
@@ -325,9 +335,11 @@ class ComputeCopies:
             if edited and id(param) not in written:
                 written.add(id(param))
                 _write_back(param, copy)
-            touched.add(module)
+            if self.rnns:
+                touched.add(module)
         state.called = None
-        thread_params.refresh_flat_weights(touched)
+        if touched:
+            thread_params.refresh_flat_weights(touched)
 
     def busy_threads(self):
         """Idents of the threads with a call of the model in progress."""
@@ -377,11 +389,9 @@ def check_no_calls_elsewhere():
                     "them) first, then deinitialize()")
 
 
-def _cast(param, dtype, inference):
-    """A compute copy; under inference_mode a normal tensor (an inference tensor has no version counter, and an
+def _cast(param, dtype):
+    """A compute copy under inference_mode: a normal tensor (an inference tensor has no version counter, and an
     in-place edit, Embedding's max_norm, must still be written back)."""
-    if not inference:
-        return param.to(dtype)
     with torch.inference_mode(False), torch.no_grad():
         return param.to(dtype)
 

@@ -9,7 +9,7 @@ path only: the other one (``scaled_dot_product_attention``) takes the fp32 mask 
 import torch
 
 from .._torch.hooks import FAST_PATH_TYPES, SessionHook
-from ..weights.compute_copies import kept_fp32_ids
+from ..weights.layouts import kept_fp32_ids
 
 _MASKS = ((3, "key_padding_mask"), (5, "attn_mask"))  # positions in MultiheadAttention.forward's signature
 _NEED_WEIGHTS = (4, "need_weights")

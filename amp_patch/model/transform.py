@@ -21,7 +21,8 @@ from .._torch.hooks import FAST_PATH_TYPES, ForwardHook, InertHook, SessionHook,
 from ..casting.wrappers import cast_tree
 from ..config.dtypes import FLOAT_DTYPES, HALF_DTYPES
 from ..errors import UsageError
-from ..weights.compute_copies import ComputeCopies, kept_fp32_ids
+from ..weights.compute_copies import ComputeCopies
+from ..weights.layouts import kept_fp32_ids
 from ..weights.state_dict import LoadMastersHook, StateDictHook
 from .attention_masks import MasksLikeQuery, attention_modules
 

@@ -12,7 +12,7 @@ from ..config.oplist import default_list_name, load_op_lists
 from ..errors import ConfigError, UsageError
 from ..parallel import ddp as distributed
 from ..scaling.scaler import LossScaler
-from ..weights.compute_copies import kept_fp32_ids
+from ..weights.layouts import kept_fp32_ids
 from . import state as _state
 
 log = logging.getLogger("amp_patch")

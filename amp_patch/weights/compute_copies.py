@@ -38,19 +38,12 @@ from .._torch.hooks import FAST_PATH_TYPES, SessionHook
 from ..config.dtypes import FLOAT_DTYPES
 from ..errors import UsageError
 from . import reentry, thread_params
+from .layouts import kept_fp32_ids
 
 #: How long ``remove`` (deinitialize) waits for calls other threads started just before it to end, polling.
 DRAIN_S, POLL_S = 60.0, 0.0005
 _compiling = torch.compiler.is_compiling
 LIVE = []  # the attached ComputeCopies (recompute_copies re-enters their calls)
-
-
-def kept_fp32_ids(model, keep_types):
-    """Ids of the modules that stay fp32: each module of ``keep_types`` (``keep_fp32_modules``, batchnorm) with
-    every module inside it (a kept ``MultiheadAttention`` keeps its ``out_proj``)."""
-    if not keep_types:
-        return set()
-    return {id(m) for module in model.modules() if isinstance(module, keep_types) for m in module.modules()}
 
 
 class _Install(SessionHook):

@@ -29,3 +29,11 @@ call's start and end (:class:`~amp_patch.weights.compute_copies.ComputeCopies`).
 """
 
 LAYOUTS = ("none", "one_owner", "two_copy", "fsdp2")
+
+
+def kept_fp32_ids(model, keep_types):
+    """Ids of the modules that stay fp32 under every layout: each module of ``keep_types`` (``keep_fp32_modules``,
+    batchnorm) with every module inside it (a kept ``MultiheadAttention`` keeps its ``out_proj``)."""
+    if not keep_types:
+        return set()
+    return {id(m) for module in model.modules() if isinstance(module, keep_types) for m in module.modules()}

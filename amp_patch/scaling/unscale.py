@@ -43,13 +43,13 @@ def _group(tensors):
 
 
 def _plain_alike(tensors):
-    """Distinct dense plain tensors, all of one device and dtype (the device by its index: ``get_device()`` makes no
-    device object; two accelerator types in one list with the same index are not told apart, and the kernel then
-    refuses them)."""
+    """Distinct strided plain tensors, all of one device and dtype (property reads only: a method call would show in
+    ``amp_patch.trace()``'s report of unpatched calls)."""
     first = tensors[0]
-    dtype, index = first.dtype, first.get_device()
+    dtype, device, strided = first.dtype, first.device, torch.strided
     for tensor in tensors:
-        if type(tensor) is not _Tensor or tensor.dtype is not dtype or tensor.is_sparse or tensor.get_device() != index:
+        if (type(tensor) is not _Tensor or tensor.dtype is not dtype or tensor.layout is not strided
+                or tensor.device != device):
             return False
     return len(set(map(id, tensors))) == len(tensors)
 
@@ -156,14 +156,9 @@ def unscale_usual_(grads, scale):
     """:func:`unscale_collected_` for a non-empty list of grads with no None, in one frame where it is the usual
     model's: distinct dense plain tensors of one device and dtype, small enough for the one fused kernel (every step
     of the usual loop comes here: each Python frame more costs about a microsecond once backward has run)."""
-    first = grads[0]
-    dtype, index = first.dtype, first.get_device()
-    for grad in grads:
-        if type(grad) is not _Tensor or grad.dtype is not dtype or grad.is_sparse or grad.get_device() != index:
-            return unscale_collected_(grads, scale)
-    device = first.device
-    if (device.type in _NO_KERNEL or len(set(map(id, grads))) != len(grads)
-            or scale == 1.0 and torch.get_num_threads() > 1 and _numel({device: {dtype: grads}}) > _READ_ONLY_MIN):
+    device = grads[0].device
+    if (not _plain_alike(grads) or device.type in _NO_KERNEL
+            or scale == 1.0 and torch.get_num_threads() > 1 and _numel({device: {None: grads}}) > _READ_ONLY_MIN):
         return unscale_collected_(grads, scale)
     found = _found_flag(device)
     try:

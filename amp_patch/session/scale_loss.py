@@ -64,8 +64,10 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
     return _Block(loss, optimizers, loss_id, model, delay_unscale, delay_overflow_check)
 
 
-class _Block:
-    """One ``scale_loss`` block (a class, not a generator: it runs on every iteration).
+class _Block(contextlib.ContextDecorator):
+    """One ``scale_loss`` block: a class, not a generator (it runs on every iteration), used as the generator was:
+    once, by a ``with`` (or as a decorator, each call its own block); one dropped while open closes as a dropped
+    generator's ``finally`` did.
 
     The usual block of a training loop takes the steady path (:func:`_steady_state`): the state it checks makes
     the general path's argument checks, nesting check, parallel checks, foreign-grad snapshots and notes, overflow
@@ -73,16 +75,25 @@ class _Block:
     ``after_backward``, ``finish_step``) are the same calls. After backward each Python frame costs 1-2 us (cold
     caches): this is most of what a small model's step pays for amp_patch's bookkeeping."""
 
-    __slots__ = ("args", "session", "scaler", "states", "delay_unscale", "others", "probe", "steady")
+    __slots__ = ("args", "phase", "session", "scaler", "states", "delay_unscale", "others", "probe", "steady",
+                 "ident")
+    NEW, OPEN, DISABLED, DONE = range(4)
 
     def __init__(self, *args):
         self.args = args
-        self.session = None
+        self.phase = self.NEW
+
+    def _recreate_cm(self):
+        return _Block(*self.args)
 
     def __enter__(self):
+        if self.phase != self.NEW:
+            raise UsageError("this scale_loss(...) object was entered already; each block needs its own call: "
+                             "'with amp_patch.scale_loss(loss, optimizer) as scaled_loss:' per loss")
         loss, optimizers, loss_id, model, delay_unscale, overflow_check = self.args
         session = _state.current_session("scale_loss")
         if not session.enabled:
+            self.phase = self.DISABLED
             return loss
         state = self.steady = _steady_state(session, optimizers, loss_id, model, delay_unscale, overflow_check)
         if state is not None:
@@ -91,7 +102,7 @@ class _Block:
         self.others = _foreign_snapshots(session, states)
         scaled, self.probe = _scaled(loss, scaler.scale)
         self.session, self.scaler, self.states = session, scaler, states
-        _mark_open(states, True)
+        self._open(states)
         return scaled
 
     def _enter_steady(self, session, loss, state, scaler):
@@ -104,48 +115,56 @@ class _Block:
         state.before_backward(scaler, False)
         scaled, self.probe = _scaled(loss, scaler.scale)
         self.session, self.scaler = session, scaler
-        state.in_scale_loss = True  # (_mark_open)
-        state.busy[threading.get_ident()] = "a scale_loss block"
+        self._open((state,))
         return scaled
 
-    def _exit_steady(self, session, state, exc_type):
-        state.in_scale_loss = False  # (_mark_open; one optimizer: no foreign grads to note)
-        state.busy.pop(threading.get_ident(), None)
-        probe = self.probe
+    def _open(self, states):
+        self.ident, self.phase = threading.get_ident(), self.OPEN
+        _mark_open(states, True, self.ident)
+
+    def _leave(self):
+        """What every end of an open block does, raised or not: the optimizers are no longer in a block, the probe
+        goes, grads written into optimizers the block did not name are noted (none on the steady path)."""
+        self.phase = self.DONE
+        steady, probe = self.steady, self.probe
+        _mark_open((steady,) if steady is not None else self.states, False, self.ident)
         if probe is not None:
             probe.remove()
+        if steady is None:
+            _note_grads_written(self.session, self.states, self.others, self.args[2])
+
+    def __exit__(self, exc_type, exc, tb):
+        phase = self.phase
+        if phase != self.OPEN:
+            if phase == self.NEW:
+                raise UsageError("a scale_loss(...) block was exited without being entered; use it in a with "
+                                 "statement: 'with amp_patch.scale_loss(loss, optimizer) as scaled_loss:'")
+            self.phase = self.DONE  # (a disabled session's block; or exited twice: nothing more to do)
+            return False
+        self._leave()
         if exc_type is not None:
             return False
-        if probe is not None:
-            probe.check()
-        scaler, loss_id = self.scaler, self.args[2]
+        if self.probe is not None:
+            self.probe.check()
+        if self.steady is not None:
+            self._end_steady()
+            return False
+        loss, _, loss_id, _, _, delay_overflow_check = self.args
+        _end(self.session, self.scaler, loss_id, self.states, self.delay_unscale, loss, delay_overflow_check)
+        return False
+
+    def _end_steady(self):
+        session, state, scaler = self.session, self.steady, self.scaler
         engine = session.casting.engine
         with quiet(session):
             found_inf = state.after_backward(scaler, False, keep_model_grads=False)  # (no masters: nothing kept)
-            finish_step(session, scaler, loss_id, (state,), found_inf, self.args[0])
+            finish_step(session, scaler, self.args[2], (state,), found_inf, self.args[0])
         if engine is not None:  # (session.clear_cache, one hop)
             engine.clear_cache()
-        return False
 
-    def __exit__(self, exc_type, exc, tb):
-        session = self.session
-        if session is None:  # (disabled session)
-            return False
-        self.session = None
-        if self.steady is not None:
-            return self._exit_steady(session, self.steady, exc_type)
-        states, probe = self.states, self.probe
-        _mark_open(states, False)
-        if probe is not None:
-            probe.remove()
-        _note_grads_written(session, states, self.others, self.args[2])
-        if exc_type is not None:
-            return False
-        if probe is not None:
-            probe.check()
-        loss, _, loss_id, _, _, delay_overflow_check = self.args
-        _end(session, self.scaler, loss_id, states, self.delay_unscale, loss, delay_overflow_check)
-        return False
+    def __del__(self):
+        if getattr(self, "phase", None) == self.OPEN:  # entered, never exited, dropped: as a generator's finally
+            self._leave()
 
 
 def _steady_state(session, optimizers, loss_id, model, delay_unscale, delay_overflow_check):
@@ -198,8 +217,7 @@ def _begin(session, loss, optimizers, loss_id, model, delay_unscale):
     return scaler, states, delay_unscale
 
 
-def _mark_open(states, is_open):
-    ident = threading.get_ident()
+def _mark_open(states, is_open, ident):
     for state in states:
         state.in_scale_loss = is_open
         if is_open:

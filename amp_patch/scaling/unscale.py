@@ -86,7 +86,11 @@ _READ_ONLY_MIN = 1 << 18  # elements; below this the one fused kernel wins (meas
 
 
 def _numel(groups):
-    return sum(t.numel() for by_dtype in groups.values() for tensors in by_dtype.values() for t in tensors)
+    return sum(_count(tensors) for by_dtype in groups.values() for tensors in by_dtype.values())
+
+
+def _count(tensors):
+    return sum(t.numel() for t in tensors)
 
 
 _INVERSES = {}  # (device, 1/scale) -> that one-element fp32 tensor: read-only to the kernels, made once
@@ -158,7 +162,7 @@ def unscale_usual_(grads, scale):
     of the usual loop comes here: each Python frame more costs about a microsecond once backward has run)."""
     device = grads[0].device
     if (not _plain_alike(grads) or device.type in _NO_KERNEL
-            or scale == 1.0 and torch.get_num_threads() > 1 and _numel({device: {None: grads}}) > _READ_ONLY_MIN):
+            or scale == 1.0 and torch.get_num_threads() > 1 and _count(grads) > _READ_ONLY_MIN):
         return unscale_collected_(grads, scale)
     found = _found_flag(device)
     try:

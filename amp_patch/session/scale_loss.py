@@ -155,12 +155,10 @@ class _Block(contextlib.ContextDecorator):
 
     def _end_steady(self):
         session, state, scaler = self.session, self.steady, self.scaler
-        engine = session.casting.engine
         with quiet(session):
             found_inf = state.after_backward(scaler, False, keep_model_grads=False)  # (no masters: nothing kept)
             finish_step(session, scaler, self.args[2], (state,), found_inf, self.args[0])
-        if engine is not None:  # (session.clear_cache, one hop)
-            engine.clear_cache()
+        session.clear_cache()
 
     def __del__(self):
         if getattr(self, "phase", None) == self.OPEN:  # entered, never exited, dropped: as a generator's finally

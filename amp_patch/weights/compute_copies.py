@@ -43,6 +43,7 @@ from .layouts import kept_fp32_ids
 #: How long ``remove`` (deinitialize) waits for calls other threads started just before it to end, polling.
 DRAIN_S, POLL_S = 60.0, 0.0005
 _compiling = torch.compiler.is_compiling
+_RNN = torch.nn.RNNBase
 LIVE = []  # the attached ComputeCopies (recompute_copies re-enters their calls)
 
 
@@ -121,7 +122,6 @@ class ComputeCopies:
         self.overlaid = {}  # id(module) -> module given a ThreadParams
         self.members = set()  # ids of the model's modules (conversion_guard)
         self.adopt = None  # adopt(module, name, buffer): a float buffer registered after initialize gets cast
-        self.rnns = False  # an RNN holds a slot: its _flat_weights follow each swap (set by _collect)
         self.handles = []
 
     def attach(self):
@@ -170,7 +170,6 @@ class ComputeCopies:
                 if p is not None and p.dtype in FLOAT_DTYPES:
                     slots.append((module, name))
         self.slots[:] = slots
-        self.rnns = any(isinstance(module, torch.nn.RNNBase) for module, _ in slots)  # (their _flat_weights)
         if not torch.compiler.is_compiling():
             self.members = {id(m) for m in self.model.modules()}
             for module, _ in slots:
@@ -246,7 +245,7 @@ class ComputeCopies:
             else:  # (a module added since the last collect, not yet overlaid: collected again next call)
                 params[name] = copy
             swapped.append((module, params, name, p, copy, copy._version))
-            if self.rnns:
+            if isinstance(module, _RNN):  # (its _flat_weights follow the swap)
                 touched.add(module)
         if touched:
             thread_params.refresh_flat_weights(touched)
@@ -328,7 +327,7 @@ class ComputeCopies:
             if edited and id(param) not in written:
                 written.add(id(param))
                 _write_back(param, copy)
-            if self.rnns:
+            if isinstance(module, _RNN):
                 touched.add(module)
         state.called = None
         if touched:

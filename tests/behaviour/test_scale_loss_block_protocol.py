@@ -13,7 +13,7 @@ from amp_patch.errors import UsageError
 @pytest.fixture
 def session():
     torch.manual_seed(0)
-    model, optimizer = torch.nn.Linear(4, 2), None
+    model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O1", half_dtype=torch.bfloat16,
                                             verbosity=0)

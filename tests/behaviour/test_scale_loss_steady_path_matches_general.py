@@ -14,8 +14,10 @@ import amp_patch
 from amp_patch import legacy
 from amp_patch.session import scale_loss as scale_loss_module
 
-CONFIGS = [  # (API, opt level, half dtype, loss scale)
+CONFIGS = [  # (API, opt level, half dtype, loss scale[, initialize's other options])
     ("own", "O1", torch.bfloat16, None),
+    ("own", "O1", torch.float16, "dynamic", {"growth_interval": 2, "hysteresis": 2}),  # the scale moves both ways
+    ("own", "O1", torch.bfloat16, "dynamic", {"diagnose_overflow": True}),
     ("own", "O1", torch.float16, "dynamic"),
     ("own", "O2", torch.float16, "dynamic"),
     ("own", "O3", torch.float16, 128.0),
@@ -50,6 +52,7 @@ def _snapshot(model, optimizer):
         "scales": [amp_patch.loss_scale(i) for i in range(2)],
         "history": amp_patch.history(),
         "skipped": amp_patch.last_step_skipped(optimizer),
+        "overflow": repr(amp_patch.last_overflow()),
         "state": repr(amp_patch.state_dict()),
     }
 
@@ -87,11 +90,12 @@ def _apply(op, model, optimizer, x, y, scale_loss):
 
 
 def _run(config, program):
-    api, level, dtype, loss_scale = config
+    api, level, dtype, loss_scale = config[:4]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     options = {"loss_scale": loss_scale} if loss_scale is not None else {}
+    options.update(config[4] if len(config) > 4 else {})
     if api == "apex":
         model, optimizer = legacy.amp.initialize(model, optimizer, opt_level=level, num_losses=2, verbosity=0,
                                                  **options)
@@ -118,7 +122,7 @@ def _run(config, program):
     return log
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-{c[1]}-{str(c[2])[6:]}-{c[3]}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join([c[0], c[1], str(c[2])[6:], str(c[3])] + sorted(c[4] if len(c) > 4 else ())))
 @pytest.mark.parametrize("seed", range(6))
 def test_a_random_program_leaves_the_same_state_on_the_steady_and_general_paths(config, seed, monkeypatch):
     program = ["block", "step"] + _program(seed)  # (the first block takes the general path: one-time checks)

@@ -74,11 +74,17 @@ def _cast_once(args, kwargs, dtype, fp64=False):
 
 
 class RegistrationWatch:
-    """Counts module and parameter registrations anywhere in the process while installed (torch's global
-    registration hooks): a model's input hook re-checks the model's dtypes only when the count moved."""
+    """Counts registrations of a module, parameter or buffer into one model's modules while installed (torch's
+    global registration hooks): the model's input hook re-checks its dtypes, and O2's compute copies collect their
+    slots again, only when the count moved. A registration into a module outside the model does not count: HF
+    models build their loss module inside ``forward`` (``CrossEntropyLoss()`` registers its ``weight`` buffer on
+    every call), and counting it made every step walk the whole model twice. A module built and then attached
+    counts at its attaching (a registration into the model); one put into ``_modules`` directly is not seen."""
 
-    def __init__(self):
+    def __init__(self, model):
+        self.model = model
         self.generation = 0
+        self.members = None  # ids of the model's modules since the last counted registration (None: to collect)
         self.handles = []
 
     def install(self):
@@ -98,11 +104,16 @@ class RegistrationWatch:
             for key in [key for key, hook in hooks.items() if hook == self._bump]:
                 del hooks[key]
 
-    def _bump(self, *args):
-        self.generation += 1
+    def _bump(self, module, *args):
+        members = self.members
+        if members is None:
+            members = self.members = {id(m) for m in self.model.modules()}
+        if id(module) in members:
+            self.generation += 1
+            self.members = None  # (the model may have grown: collected again at the next registration)
 
     def __getstate__(self):
-        return {"generation": self.generation, "handles": []}
+        return {"model": None, "generation": self.generation, "members": set(), "handles": []}
 
 
 class WeightSlots:
@@ -315,7 +326,7 @@ class ModelPatch:
         ``compute_copies``: the one-owner layout's half weights per call (:class:`ComputeCopies`, installed first:
         the input cast follows the weights the forward uses). ``fp64``: float64 inputs and outputs are cast too
         (the apex alias, as Apex's ``to_type``)."""
-        watch = RegistrationWatch()
+        watch = RegistrationWatch(self.model)
         self.handles.append(watch)  # before it installs: restore() removes it whenever an interrupt lands
         watch.install()
         if compute_copies:

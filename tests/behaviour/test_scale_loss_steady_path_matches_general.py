@@ -122,7 +122,11 @@ def _run(config, program):
     return log
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join([c[0], c[1], str(c[2])[6:], str(c[3])] + sorted(c[4] if len(c) > 4 else ())))
+def _config_id(config):
+    return "-".join([config[0], config[1], str(config[2])[6:], str(config[3])] + sorted(config[4:] and config[4]))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("seed", range(6))
 def test_a_random_program_leaves_the_same_state_on_the_steady_and_general_paths(config, seed, monkeypatch):
     program = ["block", "step"] + _program(seed)  # (the first block takes the general path: one-time checks)

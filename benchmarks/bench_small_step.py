@@ -8,7 +8,9 @@ fresh copy for ``--steps`` steps after 10 warm-up steps; the figure is the media
 median step, and the ratios are taken in this run only. Per call: ``F.linear`` 8x8 (Parameter weight) inside a
 forward of the session's model and outside one, vs native ``torch.autocast`` entered once. "native + finite
 check" adds what skipping a step on inf/NaN grads costs at the least (one fused check and its host read, as
-``GradScaler`` does), which amp_patch's ``scale_loss`` does at every opt level and dtype. ``--clock thread``
+``GradScaler`` does), which amp_patch's ``scale_loss`` does at every opt level and dtype; "native + GradScaler" is
+native's whole fp16 recipe (``scaler.scale(loss).backward()``, ``scaler.step``, ``scaler.update``), the step an fp16
+user of native AMP runs (a bf16 user runs plain "native"). ``--clock thread``
 (the default) times by the stepping thread's CPU time, which leaves out waits for a core on a shared machine.
 Prints the machine line (CPU flags: without bf16/fp16 instructions the kernels are slow, so read the ratios as
 overhead ratios). Nothing here is asserted in tests.
@@ -30,9 +32,10 @@ try:
 except ImportError:  # run from elsewhere
     from benchmarks.bench_bf16_hw import machine_line
 
-VARIANTS = {"native": None, "native + finite check": None, "O1": dict(opt_level="O1"),
+VARIANTS = {"native": None, "native + finite check": None, "native + GradScaler": None, "O1": dict(opt_level="O1"),
             "O1 python engine": dict(opt_level="O1", cast_engine="python"), "O2": dict(opt_level="O2")}
-NATIVE = ("native", "native + finite check")
+NATIVE = ("native", "native + finite check", "native + GradScaler")
+STEP_ONLY = ("O2", "native + finite check", "native + GradScaler")  # (no per-call figures)
 
 
 def _mlp(width=64, batch=32):
@@ -56,6 +59,7 @@ def _steps(variant, base, x, y, args, clock):
     check = variant == "native + finite check"  # what skipping a step on inf/NaN costs at least: one fused check
     if check:
         found, inv = torch.zeros(1), torch.ones(1)
+    scaler = torch.amp.GradScaler("cpu") if variant == "native + GradScaler" else None
     if not native:
         model, opt = amp_patch.initialize(model, opt, half_dtype=args.dtype, verbosity=0, **_options(variant, args))
     times = []
@@ -66,7 +70,13 @@ def _steps(variant, base, x, y, args, clock):
             if native:
                 with torch.autocast("cpu", dtype=args.dtype):
                     loss = F.cross_entropy(model(x), y)
-                loss.backward()
+                if scaler is not None:  # native's fp16 recipe: scale, unscale and check in step, update
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                    skip = True  # (the scaler stepped)
+                else:
+                    loss.backward()
                 if check:
                     found.zero_()
                     torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in model.parameters()], found, inv)
@@ -150,14 +160,14 @@ def main(argv=None):
     print("|---|" + "---|" * len(names))
     print("| step us | " + " | ".join(f"{statistics.median(steps[v]) * 1e6:.0f}" for v in names) + " |")
     print("| step / native | " + " | ".join(f"{statistics.median(steps[v]) / native:.3f}" for v in names) + " |")
-    per_call = [n for n in names if n not in ("O2", "native + finite check")]
+    per_call = [n for n in names if n not in STEP_ONLY]
     print("\n| F.linear 8x8 per call | " + " | ".join(per_call) + " |")
     print("|---|" + "---|" * len(per_call))
     base_call = [n for n, _ in calls["native"]]
     for where, index in (("inside a forward", 0), ("outside", 1)):
         cells = []
         for v in names:
-            if v == "O2" or v == "native + finite check":
+            if v in STEP_ONLY:
                 continue
             col = base_call if v == "native" else [c[index] for c in calls[v]]
             ratio = statistics.median(o / n for o, n in zip(col, base_call))

@@ -15,7 +15,6 @@ import threading
 import types
 
 import torch
-from torch.nn.modules import module as _module_mod
 
 from .._torch.hooks import FAST_PATH_TYPES, ForwardHook, InertHook, SessionHook, forward_hook, forward_pre_hook  # noqa: F401 (InertHook: pickles name it here)
 from ..casting.wrappers import cast_tree
@@ -25,6 +24,7 @@ from ..weights.compute_copies import ComputeCopies
 from ..weights.layouts import kept_fp32_ids
 from ..weights.state_dict import LoadMastersHook, StateDictHook
 from .attention_masks import MasksLikeQuery, attention_modules
+from .registration_watch import RegistrationWatch  # (pickles of models saved during a session name it here)
 
 _BATCHNORM = (torch.nn.modules.batchnorm._BatchNorm,)
 
@@ -73,49 +73,6 @@ def _cast_once(args, kwargs, dtype, fp64=False):
     return cast_tree(args, cast_one), cast_tree(kwargs, cast_one)
 
 
-class RegistrationWatch:
-    """Counts registrations of a module, parameter or buffer into one model's modules while installed (torch's
-    global registration hooks): the model's input hook re-checks its dtypes, and O2's compute copies collect their
-    slots again, only when the count moved. A registration into a module outside the model does not count: HF
-    models build their loss module inside ``forward`` (``CrossEntropyLoss()`` registers its ``weight`` buffer on
-    every call), and counting it made every step walk the whole model twice. A module built and then attached
-    counts at its attaching (a registration into the model); one put into ``_modules`` directly is not seen."""
-
-    def __init__(self, model):
-        self.model = model
-        self.generation = 0
-        self.members = None  # ids of the model's modules since the last counted registration (None: to collect)
-        self.handles = []
-
-    def install(self):
-        self.handles.append(_module_mod.register_module_module_registration_hook(self._bump))
-        self.handles.append(_module_mod.register_module_parameter_registration_hook(self._bump))
-        self.handles.append(_module_mod.register_module_buffer_registration_hook(self._bump))
-        return self
-
-    def remove(self):
-        """Remove the hooks (again safe); also one whose handle an interrupt lost between register and append."""
-        while self.handles:
-            self.handles[-1].remove()
-            self.handles.pop()
-        for hooks in (_module_mod._global_module_registration_hooks,
-                      _module_mod._global_parameter_registration_hooks,
-                      _module_mod._global_buffer_registration_hooks):
-            for key in [key for key, hook in hooks.items() if hook == self._bump]:
-                del hooks[key]
-
-    def _bump(self, module, *args):
-        members = self.members
-        if members is None:
-            members = self.members = {id(m) for m in self.model.modules()}
-        if id(module) in members:
-            self.generation += 1
-            self.members = None  # (the model may have grown: collected again at the next registration)
-
-    def __getstate__(self):
-        return {"model": None, "generation": self.generation, "members": set(), "handles": []}
-
-
 class WeightSlots:
     """Where the params amp_patch cast live, as ``(module, name)``: read at each forward, so the weights actually
     used count (``torch.func.functional_call`` puts its tensors in ``module._parameters``; ``.data`` may be
@@ -161,7 +118,10 @@ class CastInputs(ForwardHook):
     def __call__(self, module, args, kwargs=None):
         dtype = self.like.dtype(self.dtype)
         self.like.check(module, dtype)
-        if self.watch.generation != self.checked:
+        watch = self.watch
+        if watch.suspects and not torch.compiler.is_compiling():
+            watch.settle()
+        if watch.generation != self.checked:
             _check_dtypes(module, dtype, self.keep_types)
             self.checked = self.watch.generation
         if kwargs is None:  # (torch calls a hook removed during this call, by deinitialize, without them)
@@ -332,6 +292,7 @@ class ModelPatch:
         if compute_copies:
             copies = ComputeCopies(self.model, input_dtype, keep_types, watch, self.like.slots)
             copies.adopt = lambda module, name, buffer: self._adopt_buffer(module, name, buffer, input_dtype)
+            watch.notes_buffers = True
             self.handles.append(copies)
             copies.attach()
         self.handles.append(forward_pre_hook(self.model, CastInputs(self.like, input_dtype, keep_types, watch, fp64),

@@ -19,8 +19,9 @@ optimizer), EMA copy, ``load_state_dict`` (of the model or of a submodule), ``cl
 in-place edit and ``deepcopy`` sees the one value there is; nothing is kept in step by hooks.
 
 Params of modules kept fp32 (``keep_batchnorm_fp32``, ``keep_fp32_modules``) are not copied. Modules added after
-initialize get copies from their next call on (the registration watch re-collects the slots). An RNN's
-``_flat_weights`` are rebuilt around the swap. An in-place edit of a copy during the call (``nn.Embedding``'s
+initialize get copies from their next call on (the registration watch, :mod:`amp_patch.model.registration_watch`,
+says when to collect the slots again; the buffers it noted are adopted alone). An RNN's ``_flat_weights`` are
+rebuilt around the swap. An in-place edit of a copy during the call (``nn.Embedding``'s
 ``max_norm``, a forward pre-hook clamping weights; also under ``torch.inference_mode``, whose copies are made as
 normal tensors to keep their version counters) is written back into the fp32 param when the call ends (edits
 through ``.data`` bypass the version counter and stay on the copy: edit the params between steps). The slots are
@@ -39,6 +40,7 @@ from ..config.dtypes import FLOAT_DTYPES
 from ..errors import UsageError
 from . import reentry, thread_params
 from .layouts import kept_fp32_ids
+from .write_back import renorms, write_back
 
 #: How long ``remove`` (deinitialize) waits for calls other threads started just before it to end, polling.
 DRAIN_S, POLL_S = 60.0, 0.0005
@@ -122,6 +124,7 @@ class ComputeCopies:
         self.overlaid = {}  # id(module) -> module given a ThreadParams
         self.members = set()  # ids of the model's modules (conversion_guard)
         self.adopt = None  # adopt(module, name, buffer): a float buffer registered after initialize gets cast
+        self.kept_ids = set()  # ids of the modules kept fp32 (their params and buffers are left as they are)
         self.handles = []
 
     def attach(self):
@@ -163,6 +166,7 @@ class ComputeCopies:
         """The (module, name) slots of floating params outside kept-fp32 modules, once per registration change;
         their modules get a :class:`~.thread_params.ThreadParams`."""
         slots, kept = [], kept_fp32_ids(self.model, self.keep_types)
+        self.kept_ids = kept
         for module in self.model.modules():
             if id(module) in kept:
                 continue
@@ -183,13 +187,23 @@ class ComputeCopies:
         the others: the half dtype (kept-fp32 modules keep theirs)."""
         if self.adopt is None:
             return
-        kept = kept_fp32_ids(self.model, self.keep_types)
         for module in self.model.modules():
-            if id(module) in kept:
+            if id(module) in self.kept_ids:
                 continue
             for name, buffer in module._buffers.items():
-                if (buffer is not None and buffer.dtype in FLOAT_DTYPES and buffer.dtype is not self.dtype
-                        and buffer.dtype is not torch.float64):
+                if _adoptable(buffer, self.dtype):
+                    self.adopt(module, name, buffer)
+
+    def _adopt_noted(self):
+        """Only the buffers registered into the model since the last call (the registration watch noted them; a
+        rotary embedding re-registering ``inv_freq`` in its forward), as :meth:`_adopt_buffers` would."""
+        noted = self.watch.take_buffers()
+        if self.adopt is None:
+            return
+        for module, name in noted:
+            if id(module) in self.members and id(module) not in self.kept_ids:
+                buffer = module._buffers.get(name)
+                if _adoptable(buffer, self.dtype):
                     self.adopt(module, name, buffer)
 
     def _state(self):
@@ -217,8 +231,13 @@ class ComputeCopies:
             self._swap_in(state, called)
 
     def _swap_in(self, state, called):
-        if self.generation != self.watch.generation:
+        watch = self.watch
+        if watch.suspects and state is self.call:  # (a module built outside the model may have joined it)
+            watch.settle()
+        if self.generation != watch.generation:
             self._collect()
+        if watch.buffers and state is self.call:
+            self._adopt_noted()
         slots = self.slots
         if called is not None and called is not self.model:
             members = {id(m) for m in called.modules()}
@@ -323,10 +342,10 @@ class ComputeCopies:
                     del overlay[name]
             elif dict.get(params, name) is copy:
                 dict.__setitem__(params, name, param)
-            edited = copy._version != version if version is not None else _renorms(module)
+            edited = copy._version != version if version is not None else renorms(module)
             if edited and id(param) not in written:
                 written.add(id(param))
-                _write_back(param, copy)
+                write_back(param, copy)
             if isinstance(module, _RNN):
                 touched.add(module)
         state.called = None
@@ -381,22 +400,13 @@ def check_no_calls_elsewhere():
                     "them) first, then deinitialize()")
 
 
+def _adoptable(buffer, dtype):
+    return (buffer is not None and buffer.dtype in FLOAT_DTYPES and buffer.dtype is not dtype
+            and buffer.dtype is not torch.float64)
+
+
 def _cast(param, dtype):
     """A compute copy under inference_mode: a normal tensor (an inference tensor has no version counter, and an
     in-place edit, Embedding's max_norm, must still be written back)."""
     with torch.inference_mode(False), torch.no_grad():
         return param.to(dtype)
-
-
-def _renorms(module):
-    """Under dynamo (no version counters): the one torch module that edits its weight in place in its forward,
-    an embedding with ``max_norm``, is written back by value."""
-    return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.max_norm is not None
-
-
-def _write_back(param, copy):
-    """An in-place edit of a compute copy during the call is the model's edit of its weight: the fp32 param takes
-    the edited values where the copy no longer holds the param's own rounding; the others stay exact."""
-    with torch.inference_mode(False), torch.no_grad():
-        edited = copy.ne(param.to(copy.dtype))
-        param.copy_(torch.where(edited, copy.to(param.dtype), param))

@@ -24,8 +24,10 @@ def walks(monkeypatch):
 
     def named_modules(self, *args, **kwargs):
         caller = sys._getframe(1)
+        if caller.f_code.co_name == "named_modules":  # (its recursion into the children: the same walk)
+            return original(self, *args, **kwargs)
         while caller is not None and caller.f_code.co_filename.endswith("torch/nn/modules/module.py"):
-            caller = caller.f_back  # (modules() and the recursion itself)
+            caller = caller.f_back  # (modules(), named_parameters() and the like)
         if caller is not None and "amp_patch" in caller.f_code.co_filename.replace("\\", "/").split("/")[-3:-1]:
             counted[0] += 1
         return original(self, *args, **kwargs)
@@ -102,3 +104,158 @@ def test_a_module_attached_inside_a_module_attached_after_initialize_is_seen():
         assert out.shape == (2, 2) and out.dtype is torch.float32
     finally:
         amp_patch.deinitialize()
+
+
+class _Rotary(nn.Module):
+    """A rotary embedding of HF's ``longrope`` / ``dynamic`` kinds: it registers its ``inv_freq`` again in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+        self.proj = nn.Linear(4, 4)
+
+        self.seen = []  # the buffer's dtype as each call starts
+
+    def forward(self, x):
+        self.seen.append(self.inv_freq.dtype)
+        self.register_buffer("inv_freq", torch.arange(4.0) / 4, persistent=False)
+        return self.proj(x) * self.inv_freq
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_buffer_registered_in_every_forward_walks_no_module_and_is_cast_as_before(level, walks):
+    torch.manual_seed(0)
+    model = _Rotary()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, optimizer = amp_patch.initialize(model, optimizer, opt_level=level, half_dtype=torch.bfloat16,
+                                            verbosity=0)
+    try:
+        for step in range(4):
+            if step == 2:
+                walks()
+            loss = model(torch.randn(2, 4)).float().sum()
+            with amp_patch.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert walks() == 0
+    finally:
+        amp_patch.deinitialize()
+    # O2 gives a buffer registered after initialize the half dtype at the next call (O3 leaves it as registered)
+    assert model.seen[1:] == [torch.bfloat16 if level == "O2" else torch.float32] * 3
+    assert model.inv_freq.dtype is torch.float32
+
+
+@pytest.mark.parametrize("built", ["before the call", "after the call"])
+def test_a_loss_module_built_on_every_step_costs_at_most_a_membership_walk(built, walks):
+    """A script building its loss module per step (its ``weight`` buffer is registered into a module outside the
+    model): built after the model's call, it is gone by the next call and costs nothing; built before it
+    (``nn.CrossEntropyLoss()(model(x), y)`` builds the module first), it is alive at the call, which walks the
+    model once to see that it is not part of it. Neither collects the model's slots or checks its dtypes again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
+                                            verbosity=0)
+    try:
+        for step in range(4):
+            if step == 1:
+                walks()
+            if built == "before the call":
+                loss = nn.CrossEntropyLoss()(model(torch.randn(2, 4)), torch.tensor([0, 2]))
+            else:
+                out = model(torch.randn(2, 4))
+                loss = nn.CrossEntropyLoss()(out, torch.tensor([0, 2]))
+            with amp_patch.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert walks() <= (3 if built == "before the call" else 0)
+    finally:
+        amp_patch.deinitialize()
+
+
+class _Stack(nn.Module):
+    def __init__(self, sequential):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, 4)) if sequential else nn.ModuleList([nn.Linear(4, 4)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _insert(model):
+    model.layers.insert(0, nn.Linear(4, 4))  # (torch writes _modules directly: no registration hook fires)
+
+
+def _swap_in_place(model):
+    model.layers._modules["0"] = nn.Linear(4, 4)  # (as torch.ao.quantization.convert swaps children)
+
+
+@pytest.mark.parametrize("sequential", [True, False], ids=["Sequential", "ModuleList"])
+@pytest.mark.parametrize("edit", [_insert, _swap_in_place], ids=["insert", "_modules-swap"])
+def test_a_module_built_after_initialize_and_put_in_without_a_hook_is_seen_at_the_next_call(edit, sequential):
+    """The model trained with the module put in after initialize equals, bitwise, the one built with it."""
+    results = []
+    for late in (False, True):
+        torch.manual_seed(0)
+        model = _Stack(sequential)
+        if not late:
+            edit(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
+                                                verbosity=0)
+        try:
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+            model(x)
+            if late:
+                edit(model)
+                optimizer.param_groups[0]["params"] = list(model.parameters())
+            for _ in range(2):
+                loss = model(x).float().pow(2).sum()
+                with amp_patch.scale_loss(loss, optimizer) as scaled:
+                    scaled.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            results.append([p.detach().clone() for p in model.parameters()])
+        finally:
+            amp_patch.deinitialize()
+    built, put_in = results
+    assert len(built) == len(put_in) and all(torch.equal(a, b) for a, b in zip(built, put_in))
+
+
+def test_registrations_in_two_threads_while_one_grows_the_model_raise_nothing():
+    """One thread builds modules outside the model while another adds modules to it: the watch walking the model
+    meanwhile must not fail the builder's registration (it counts the change instead)."""
+    import threading
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(*[nn.Linear(2, 2) for _ in range(10)]) for _ in range(10)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
+                                            verbosity=0)
+    errors, stop = [], threading.Event()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+
+    def builder():
+        try:
+            while not stop.is_set():
+                nn.CrossEntropyLoss()
+        except Exception as exc:  # noqa: BLE001 (the test reports whatever escaped)
+            errors.append(exc)
+
+    try:
+        thread = threading.Thread(target=builder)
+        thread.start()
+        try:
+            for i in range(1500):
+                model[i % 10].add_module(f"extra{i}", nn.Identity())
+        finally:
+            stop.set()
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+        amp_patch.deinitialize()
+    assert errors == []

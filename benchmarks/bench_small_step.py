@@ -10,7 +10,9 @@ forward of the session's model and outside one, vs native ``torch.autocast`` ent
 check" adds what skipping a step on inf/NaN grads costs at the least (one fused check and its host read, as
 ``GradScaler`` does), which amp_patch's ``scale_loss`` does at every opt level and dtype; "native + GradScaler" is
 native's whole fp16 recipe (``scaler.scale(loss).backward()``, ``scaler.step``, ``scaler.update``), the step an fp16
-user of native AMP runs (a bf16 user runs plain "native"). ``--clock thread``
+user of native AMP runs (a bf16 user runs plain "native"). "hand O2" is the least an O2 step does, written inline
+with no amp_patch (each param cast per step, input half, output fp32, one fused check): O2 / hand O2 is amp_patch's
+own O2 cost. ``--clock thread``
 (the default) times by the stepping thread's CPU time, which leaves out waits for a core on a shared machine.
 Prints the machine line (CPU flags: without bf16/fp16 instructions the kernels are slow, so read the ratios as
 overhead ratios). Nothing here is asserted in tests.
@@ -33,9 +35,10 @@ except ImportError:  # run from elsewhere
     from benchmarks.bench_bf16_hw import machine_line
 
 VARIANTS = {"native": None, "native + finite check": None, "native + GradScaler": None, "O1": dict(opt_level="O1"),
-            "O1 python engine": dict(opt_level="O1", cast_engine="python"), "O2": dict(opt_level="O2")}
-NATIVE = ("native", "native + finite check", "native + GradScaler")
-STEP_ONLY = ("O2", "native + finite check", "native + GradScaler")  # (no per-call figures)
+            "O1 python engine": dict(opt_level="O1", cast_engine="python"), "O2": dict(opt_level="O2"),
+            "hand O2": None}
+NATIVE = ("native", "native + finite check", "native + GradScaler", "hand O2")
+STEP_ONLY = ("O2", "native + finite check", "native + GradScaler", "hand O2")  # (no per-call figures)
 
 
 def _mlp(width=64, batch=32):
@@ -52,11 +55,26 @@ def _options(variant, args):
     return kwargs
 
 
+def _hand_o2_forward(model, x, y, dtype):
+    """The least an O2 forward does, with no amp_patch: each param cast (``p.to(half)``) into its module for the
+    forward and the backward, the input cast to half, the output to fp32."""
+    swapped = []
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            module._parameters[name] = p.to(dtype)
+            swapped.append((module, name, p))
+    try:
+        return F.cross_entropy(model(x.to(dtype)).float(), y)
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p
+
+
 def _steps(variant, base, x, y, args, clock):
     model, opt = copy.deepcopy(base), None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     native = variant in NATIVE
-    check = variant == "native + finite check"  # what skipping a step on inf/NaN costs at least: one fused check
+    check = variant in ("native + finite check", "hand O2")  # what skipping on inf/NaN costs at least
     if check:
         found, inv = torch.zeros(1), torch.ones(1)
     scaler = torch.amp.GradScaler("cpu") if variant == "native + GradScaler" else None
@@ -67,9 +85,13 @@ def _steps(variant, base, x, y, args, clock):
         for i in range(args.steps + 10):
             start, skip = clock(), False
             opt.zero_grad(set_to_none=True)
-            if native:
+            if variant == "hand O2":
+                loss = _hand_o2_forward(model, x, y, args.dtype)
+                loss.backward()
+            elif native:
                 with torch.autocast("cpu", dtype=args.dtype):
                     loss = F.cross_entropy(model(x), y)
+            if native and variant != "hand O2":
                 if scaler is not None:  # native's fp16 recipe: scale, unscale and check in step, update
                     scaler.scale(loss).backward()
                     scaler.step(opt)

@@ -3,6 +3,7 @@ model, and the modules built outside it that may have joined it without a hook).
 import threading
 import weakref
 
+import torch
 from torch.nn.modules import module as _module_mod
 
 
@@ -18,6 +19,9 @@ class RegistrationWatch:
     every call (its ``weight`` buffer is registered), a script may build a loss module per step; both are gone by
     the next call. A module built before initialize and put into ``_modules`` directly later is not seen.
 
+    Once the model runs compiled (``compiled``, set by its traced hooks; dynamo cannot run :meth:`settle`), every
+    registration counts, as one inside a traced forward does: dynamo guards on ``generation`` and retraces.
+
     A buffer registered into the model changes no param: it is noted in ``buffers`` for O2's compute copies to give
     it the half dtype at the next call (``notes_buffers``; without them nothing reads it), with no walk (HF's
     rotary embeddings of the ``longrope`` and ``dynamic`` kinds register ``inv_freq`` in their forward).
@@ -30,6 +34,7 @@ class RegistrationWatch:
         self.generation = 0
         self.members = None  # ids of the model's modules as of the last walk (None: walk again before use)
         self.suspects = []  # weak references to modules outside the model that got a registration since the last call
+        self.compiled = False  # the model's hooks were traced by dynamo: every registration counts
         self.notes_buffers = False  # O2's compute copies read ``buffers``
         self.buffers = []  # (module, name): buffers registered into the model since the last call
         self.lock = threading.Lock()
@@ -68,6 +73,9 @@ class RegistrationWatch:
         return members
 
     def _bump(self, module, *args):
+        if self.compiled or torch.compiler.is_compiling():
+            self.generation += 1
+            return
         members = self.member_ids()
         with self.lock:
             if members is None or id(module) in members:
@@ -76,6 +84,9 @@ class RegistrationWatch:
                 self._suspect(module)
 
     def _buffer_registered(self, module, name, buffer):
+        if self.compiled or torch.compiler.is_compiling():
+            self.generation += 1
+            return
         members = self.member_ids()
         with self.lock:
             if members is None:
@@ -123,7 +134,7 @@ class RegistrationWatch:
 
     def __getstate__(self):
         return {"model": None, "generation": self.generation, "members": set(), "suspects": [], "buffers": [],
-                "notes_buffers": False, "lock": None, "handles": []}
+                "compiled": False, "notes_buffers": False, "lock": None, "handles": []}
 
 
 def _ALIVE():

@@ -118,8 +118,11 @@ class CastInputs(ForwardHook):
     def __call__(self, module, args, kwargs=None):
         dtype = self.like.dtype(self.dtype)
         self.like.check(module, dtype)
-        watch = self.watch
-        if watch.suspects and not torch.compiler.is_compiling():
+        watch = self.watch  # (under dynamo nothing of its lists is read: their lengths would become guards)
+        if torch.compiler.is_compiling():
+            if not watch.compiled:  # (traced for the first time: what may have joined without a hook is checked)
+                watch.compiled, self.checked = True, None
+        elif watch.suspects:
             watch.settle()
         if watch.generation != self.checked:
             _check_dtypes(module, dtype, self.keep_types)
@@ -258,11 +261,21 @@ class ModelPatch:
         return old_data
 
     def _adopt_buffer(self, module, name, buffer, dtype):
-        """A float buffer registered after initialize is cast as initialize cast the others (and restored)."""
+        """A float buffer registered after initialize is cast as initialize cast the others (and restored). One
+        registered into a slot held before replaces that slot's entry: a forward registering a new tensor on every
+        call keeps one."""
         if id(buffer) not in self.kept:
+            self._forget_slot(module, name)
             self.kept[id(buffer)] = buffer.data
             self.buffers.append((module, name, buffer, buffer.dtype))
         buffer.data = buffer.data.to(dtype)
+
+    def _forget_slot(self, module, name):
+        for i, (held_by, held_name, old, _) in enumerate(self.buffers):
+            if held_by is module and held_name == name:
+                self.kept.pop(id(old), None)
+                del self.buffers[i]
+                return
 
     def commit(self):
         """initialize succeeded: stop holding the params' pre-initialize data (the masters hold what O2 needs).

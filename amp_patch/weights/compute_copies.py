@@ -47,6 +47,7 @@ DRAIN_S, POLL_S = 60.0, 0.0005
 _compiling = torch.compiler.is_compiling
 _RNN = torch.nn.RNNBase
 LIVE = []  # the attached ComputeCopies (recompute_copies re-enters their calls)
+_ANY = object()  # uninstall(): whichever module started the call
 
 
 class _Install(SessionHook):
@@ -57,10 +58,11 @@ class _Install(SessionHook):
         owner = self.owner
         if owner.live and not _compiling():
             call = owner.call
-            # a module inside this thread's call only counts the depth: install's inner case, inlined (every
-            # owner of cast params has this hook, so it runs for each of them on every forward)
+            # inside this thread's call: install's inner case, inlined (every owner of cast params has this hook,
+            # so it runs for each of them on every forward)
             if call.depth:
-                call.depth += 1
+                if module is call.called:
+                    call.depth += 1
                 return
         owner.install(module)
 
@@ -73,10 +75,12 @@ class _Restore(SessionHook):
         owner = self.owner
         if not _compiling():
             call = owner.call
-            if call.depth > 1:  # an inner module's call ends (uninstall's inner case, inlined)
+            if call.depth and module is not call.called:  # uninstall's inner cases, inlined
+                return None
+            if call.depth > 1:
                 call.depth -= 1
                 return None
-        return owner.uninstall(output)
+        return owner.uninstall(output, module)
 
 
 class _Global(SessionHook):
@@ -219,10 +223,15 @@ class ComputeCopies:
         return state.called if state.depth else None
 
     def install(self, called=None):
-        """A call of ``called`` (the model, or a module owning cast params) starts: the outermost one copies."""
+        """A call of ``called`` (the model, or a module owning cast params) starts: the outermost one copies.
+        Inside a call only the module that started it counts its calls (a recursive forward); the others' hooks do
+        nothing, so a pair of hooks that third-party code split (``fuse_modules`` moves a module's pre-hooks, not
+        its hooks, to the fused module) cannot leave a call open."""
         if not self.live:  # (a call that saw the hooks before deinitialize removed them)
             return
         state = self._state()
+        if state.depth and called is not state.called:
+            return
         state.depth += 1
         if state.depth == 1:
             if state is self.call:
@@ -231,12 +240,12 @@ class ComputeCopies:
             self._swap_in(state, called)
 
     def _swap_in(self, state, called):
-        watch = self.watch
-        if watch.suspects and state is self.call:  # (a module built outside the model may have joined it)
+        watch = self.watch  # (under dynamo nothing of its lists is read: their lengths would become guards)
+        if state is self.call and watch.suspects:  # (a module built outside the model may have joined it)
             watch.settle()
-        if self.generation != watch.generation:
-            self._collect()
-        if watch.buffers and state is self.call:
+        if self.generation != watch.generation or (state is self.traced and not watch.compiled):
+            self._collect()  # (traced for the first time: what may have joined without a hook is collected too)
+        if state is self.call and watch.buffers:
             self._adopt_noted()
         slots = self.slots
         if called is not None and called is not self.model:
@@ -271,6 +280,7 @@ class ComputeCopies:
 
     def _swap_traced(self, state, slots):
         """Under dynamo: the copies go into the shared dicts (the compiled call is one thread's call)."""
+        self.watch.compiled = True
         copies = {}
         for module, name in slots:
             params = module._parameters
@@ -284,11 +294,14 @@ class ComputeCopies:
             state.swapped.append((module, params, name, p, copy, None))
         thread_params.refresh_flat_weights({m for m, _ in slots})
 
-    def uninstall(self, output=None):
-        """A call ends: the outermost one drops its copies. A generator it returned re-enters the call, on the
-        same copies, for each of its resumptions (its body runs after the call returned)."""
+    def uninstall(self, output=None, called=_ANY):
+        """A call of ``called`` ends (``_ANY``: the call in progress): the outermost one drops its copies. A generator
+        it returned re-enters the call, on the same copies, for each of its resumptions (its body runs after the
+        call returned)."""
         state = self._state()
         if not state.depth:  # (a call whose install found the hooks removed)
+            return None
+        if called is not _ANY and called is not state.called:
             return None
         state.depth -= 1
         if state.depth:

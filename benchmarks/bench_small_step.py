@@ -70,13 +70,32 @@ def _hand_o2_forward(model, x, y, dtype):
             module._parameters[name] = p
 
 
+def _native_backward(variant, model, opt, x, y, dtype, scaler, found, inv):
+    """A native variant's forward and backward (GradScaler's also steps); whether to skip the step."""
+    if variant == "hand O2":
+        _hand_o2_forward(model, x, y, dtype).backward()
+    else:
+        with torch.autocast("cpu", dtype=dtype):
+            loss = F.cross_entropy(model(x), y)
+        if scaler is not None:  # native's fp16 recipe: scale, unscale and check in step, update
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            return True  # (the scaler stepped)
+        loss.backward()
+    if found is None:
+        return False
+    found.zero_()
+    torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in model.parameters()], found, inv)
+    return bool(found.item())
+
+
 def _steps(variant, base, x, y, args, clock):
     model, opt = copy.deepcopy(base), None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     native = variant in NATIVE
     check = variant in ("native + finite check", "hand O2")  # what skipping on inf/NaN costs at least
-    if check:
-        found, inv = torch.zeros(1), torch.ones(1)
+    found, inv = (torch.zeros(1), torch.ones(1)) if check else (None, None)
     scaler = torch.amp.GradScaler("cpu") if variant == "native + GradScaler" else None
     if not native:
         model, opt = amp_patch.initialize(model, opt, half_dtype=args.dtype, verbosity=0, **_options(variant, args))
@@ -85,28 +104,12 @@ def _steps(variant, base, x, y, args, clock):
         for i in range(args.steps + 10):
             start, skip = clock(), False
             opt.zero_grad(set_to_none=True)
-            if variant == "hand O2":
-                loss = _hand_o2_forward(model, x, y, args.dtype)
-                loss.backward()
-            elif native:
-                with torch.autocast("cpu", dtype=args.dtype):
-                    loss = F.cross_entropy(model(x), y)
-            if native and variant != "hand O2":
-                if scaler is not None:  # native's fp16 recipe: scale, unscale and check in step, update
-                    scaler.scale(loss).backward()
-                    scaler.step(opt)
-                    scaler.update()
-                    skip = True  # (the scaler stepped)
-                else:
-                    loss.backward()
-                if check:
-                    found.zero_()
-                    torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in model.parameters()], found, inv)
-                    skip = bool(found.item())
-            else:
+            if not native:
                 loss = F.cross_entropy(model(x), y)
                 with amp_patch.scale_loss(loss, opt) as scaled:
                     scaled.backward()
+            else:
+                skip = _native_backward(variant, model, opt, x, y, args.dtype, scaler, found, inv)
             if not skip:
                 opt.step()
             if i >= 10:

@@ -19,8 +19,10 @@ class RegistrationWatch:
     every call (its ``weight`` buffer is registered), a script may build a loss module per step; both are gone by
     the next call. A module built before initialize and put into ``_modules`` directly later is not seen.
 
-    Once the model runs compiled (``compiled``, set by its traced hooks; dynamo cannot run :meth:`settle`), every
-    registration counts, as one inside a traced forward does: dynamo guards on ``generation`` and retraces.
+    Once the model runs compiled (:meth:`compile_starts`, from its traced hooks; dynamo cannot run :meth:`settle`),
+    every registration counts, as one inside a traced forward does: dynamo guards on ``generation`` and retraces.
+    Traced code reads only ``compiled``, ``pending`` (booleans) and ``generation``: a list's length would become a
+    guard that fails at every step.
 
     A buffer registered into the model changes no param: it is noted in ``buffers`` for O2's compute copies to give
     it the half dtype at the next call (``notes_buffers``; without them nothing reads it), with no walk (HF's
@@ -34,6 +36,7 @@ class RegistrationWatch:
         self.generation = 0
         self.members = None  # ids of the model's modules as of the last walk (None: walk again before use)
         self.suspects = []  # weak references to modules outside the model that got a registration since the last call
+        self.pending = False  # suspects is not empty
         self.compiled = False  # the model's hooks were traced by dynamo: every registration counts
         self.notes_buffers = False  # O2's compute copies read ``buffers``
         self.buffers = []  # (module, name): buffers registered into the model since the last call
@@ -107,6 +110,7 @@ class RegistrationWatch:
         return noted
 
     def _suspect(self, module):
+        self.pending = True
         if len(self.suspects) < self.MAX_SUSPECTS:
             self.suspects.append(weakref.ref(module))
         else:
@@ -119,10 +123,8 @@ class RegistrationWatch:
     def settle(self):
         """At a call of the model (before its dtype check and slot collection): a module that got a registration
         outside the model and is still alive may have joined it since; if any did, the model changed."""
-        if not self.suspects:
-            return
         with self.lock:
-            suspects, self.suspects = self.suspects, []
+            suspects, self.suspects, self.pending = self.suspects, [], False
         alive = [module for module in (ref() for ref in suspects) if module is not None]
         if not alive:
             return
@@ -132,9 +134,17 @@ class RegistrationWatch:
             with self.lock:
                 self._changed()
 
+    def compile_starts(self):
+        """The model's hooks are traced by dynamo for the first time: from now on every registration counts; the
+        modules built outside the model since its last eager call count too (one may have joined it)."""
+        self.compiled = True
+        if self.pending:
+            self.pending = False
+            self.generation += 1
+
     def __getstate__(self):
         return {"model": None, "generation": self.generation, "members": set(), "suspects": [], "buffers": [],
-                "compiled": False, "notes_buffers": False, "lock": None, "handles": []}
+                "compiled": False, "pending": False, "notes_buffers": False, "lock": None, "handles": []}
 
 
 def _ALIVE():

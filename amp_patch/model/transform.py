@@ -118,11 +118,11 @@ class CastInputs(ForwardHook):
     def __call__(self, module, args, kwargs=None):
         dtype = self.like.dtype(self.dtype)
         self.like.check(module, dtype)
-        watch = self.watch  # (under dynamo nothing of its lists is read: their lengths would become guards)
+        watch = self.watch
         if torch.compiler.is_compiling():
-            if not watch.compiled:  # (traced for the first time: what may have joined without a hook is checked)
-                watch.compiled, self.checked = True, None
-        elif watch.suspects:
+            if not watch.compiled:
+                watch.compile_starts()
+        elif watch.pending:
             watch.settle()
         if watch.generation != self.checked:
             _check_dtypes(module, dtype, self.keep_types)

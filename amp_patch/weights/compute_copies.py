@@ -28,6 +28,7 @@ through ``.data`` bypass the version counter and stay on the copy: edit the para
 shared with :class:`~.transform.WeightSlots`, so the input cast follows the weights the forward uses (a deepcopy
 of the model, whose hooks are inert, runs in fp32 on fp32 inputs).
 """
+import logging
 import threading
 import time
 import types
@@ -35,10 +36,11 @@ import types
 import torch
 from torch.nn.modules import module as _module_mod
 
-from .._torch.hooks import FAST_PATH_TYPES, SessionHook
+from .._torch.hooks import FAST_PATH_TYPES
 from ..config.dtypes import FLOAT_DTYPES
 from ..errors import UsageError
 from . import reentry, thread_params
+from .call_hooks import GlobalHook, Install, Restore, ThreadCall, TracedCall
 from .layouts import kept_fp32_ids
 from .write_back import renorms, write_back
 
@@ -48,68 +50,7 @@ _compiling = torch.compiler.is_compiling
 _RNN = torch.nn.RNNBase
 LIVE = []  # the attached ComputeCopies (recompute_copies re-enters their calls)
 _ANY = object()  # uninstall(): whichever module started the call
-
-
-class _Install(SessionHook):
-    def __init__(self, owner):
-        self.owner = owner
-
-    def __call__(self, module, args):
-        owner = self.owner
-        if owner.live and not _compiling():
-            call = owner.call
-            # inside this thread's call: install's inner case, inlined (every owner of cast params has this hook,
-            # so it runs for each of them on every forward)
-            if call.depth:
-                if module is call.called:
-                    call.depth += 1
-                return
-        owner.install(module)
-
-
-class _Restore(SessionHook):
-    def __init__(self, owner):
-        self.owner = owner
-
-    def __call__(self, module, args, output):
-        owner = self.owner
-        if not _compiling():
-            call = owner.call
-            if call.depth and module is not call.called:  # uninstall's inner cases, inlined
-                return None
-            if call.depth > 1:
-                call.depth -= 1
-                return None
-        return owner.uninstall(output, module)
-
-
-class _Global(SessionHook):
-    """Torch's global forward pre-hook or hook, dispatched to the fast-path layers it serves (a hook of their own
-    would cost them their fused kernel)."""
-
-    def __init__(self, layers, hook):
-        self.layers, self.hook = layers, hook
-
-    def __call__(self, module, *rest):
-        if id(module) in self.layers and self.layers[id(module)] is module:
-            return self.hook(module, *rest)
-        return None
-
-
-class _TracedCall:
-    """A call of the model: its depth, the module that started it, the copies it installed. As such, the state of
-    the call dynamo traces (a plain object: dynamo tracks changes to its attributes, not to a thread-local's)."""
-
-    def __init__(self):
-        self.depth = 0
-        self.called = None
-        self.swapped = []  # (module, its params dict, name, fp32 param, copy, the copy's version or None)
-
-
-class _Call(threading.local):
-    """This thread's call of the model (the fields of :class:`_TracedCall`, per thread)."""
-
-    __init__ = _TracedCall.__init__
+log = logging.getLogger("amp_patch")
 
 
 class ComputeCopies:
@@ -120,8 +61,8 @@ class ComputeCopies:
         self.model, self.dtype, self.keep_types, self.watch = model, dtype, keep_types, watch
         self.slots = slots
         self.generation = None
-        self.call = _Call()
-        self.traced = _TracedCall()
+        self.call = ThreadCall()
+        self.traced = TracedCall()
         self.lock = threading.Lock()
         self.calls = {}  # thread ident -> depth of its call in progress
         self.live = False
@@ -138,8 +79,8 @@ class ComputeCopies:
         if isinstance(self.model, FAST_PATH_TYPES):
             self._hook_fast_path([self.model])
             return self
-        self.handles.append(self.model.register_forward_pre_hook(_Install(self), prepend=True))
-        self.handles.append(self.model.register_forward_hook(_Restore(self), prepend=True, always_call=True))
+        self.handles.append(self.model.register_forward_pre_hook(Install(self), prepend=True))
+        self.handles.append(self.model.register_forward_hook(Restore(self), prepend=True, always_call=True))
         self._hook_owners()
         return self
 
@@ -148,8 +89,8 @@ class ComputeCopies:
         if not layers:
             return
         by_id = {id(layer): layer for layer in layers}
-        self.handles.append(_module_mod.register_module_forward_pre_hook(_Global(by_id, _Install(self))))
-        self.handles.append(_module_mod.register_module_forward_hook(_Global(by_id, _Restore(self)),
+        self.handles.append(_module_mod.register_module_forward_pre_hook(GlobalHook(by_id, Install(self))))
+        self.handles.append(_module_mod.register_module_forward_hook(GlobalHook(by_id, Restore(self)),
                                                                      always_call=True))
 
     def _hook_owners(self):
@@ -161,8 +102,8 @@ class ComputeCopies:
         inside = {id(m) for layer in layers for m in layer.modules()}
         owners = {id(m): m for m, _ in self.slots if m is not self.model and id(m) not in inside}
         for module in owners.values():
-            self.handles.append(module.register_forward_pre_hook(_Install(self), prepend=True))
-            self.handles.append(module.register_forward_hook(_Restore(self), prepend=True, always_call=True))
+            self.handles.append(module.register_forward_pre_hook(Install(self), prepend=True))
+            self.handles.append(module.register_forward_hook(Restore(self), prepend=True, always_call=True))
         self._hook_fast_path([layer for layer in layers if not any(
             layer is not other and any(m is layer for m in other.modules()) for other in layers)])
 
@@ -240,11 +181,14 @@ class ComputeCopies:
             self._swap_in(state, called)
 
     def _swap_in(self, state, called):
-        watch = self.watch  # (under dynamo nothing of its lists is read: their lengths would become guards)
-        if state is self.call and watch.suspects:  # (a module built outside the model may have joined it)
-            watch.settle()
-        if self.generation != watch.generation or (state is self.traced and not watch.compiled):
-            self._collect()  # (traced for the first time: what may have joined without a hook is collected too)
+        watch = self.watch
+        if state is self.call:
+            if watch.pending:  # (a module built outside the model may have joined it)
+                watch.settle()
+        elif not watch.compiled:
+            watch.compile_starts()
+        if self.generation != watch.generation:
+            self._collect()
         if state is self.call and watch.buffers:
             self._adopt_noted()
         slots = self.slots
@@ -280,7 +224,6 @@ class ComputeCopies:
 
     def _swap_traced(self, state, slots):
         """Under dynamo: the copies go into the shared dicts (the compiled call is one thread's call)."""
-        self.watch.compiled = True
         copies = {}
         for module, name in slots:
             params = module._parameters
@@ -308,12 +251,33 @@ class ComputeCopies:
             return None
         if state is self.call:
             self.count_call(0)
+            state.frame = None
         called = state.called
         kept = list(state.swapped)
         self._put_back(state)
         if isinstance(output, types.GeneratorType) and state is self.call:
             return reentry.resumed_in_call(self, called, kept, output)
         return None
+
+    def drop_stale(self):
+        """This thread's call was cut off (a ``KeyboardInterrupt`` skips torch's always-called hooks): its copies
+        go, so the call starting now (and the optimizer after it) sees the fp32 params again."""
+        log.warning("amp_patch: a call of the O2 %s in this thread never ended (interrupted?); its half compute copies "
+                    "are dropped before the next call", type(self.model).__name__)
+        self._put_back(self.call)
+        self.call.depth, self.call.frame = 0, None
+        self.count_call(0)
+
+    def ensure_restore(self, module):
+        """``module`` starts a call: it must have the hook that ends it. Third-party code that moves hooks
+        (``fuse_modules`` gives the fused module the first module's pre-hooks, not its hooks) may have left it
+        without; it gets one (registered during its pre-hooks, it runs at the end of this very call)."""
+        if isinstance(module, FAST_PATH_TYPES):  # (its hooks are torch's global ones)
+            return
+        for hook in module._forward_hooks.values():
+            if type(hook) is Restore and hook.owner is self:
+                return
+        self.handles.append(module.register_forward_hook(Restore(self), prepend=True, always_call=True))
 
     def count_call(self, depth):
         """Note whether this thread is in a call (``depth`` 0 or 1: the outermost call starts or ends; deinitialize
@@ -338,6 +302,7 @@ class ComputeCopies:
         self._put_back(self.call)
         self._put_back(self.traced)
         self.call.depth = self.traced.depth = 0
+        self.call.frame = None
         with self.lock:
             self.calls.pop(threading.get_ident(), None)
 

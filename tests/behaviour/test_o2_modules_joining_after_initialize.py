@@ -264,3 +264,50 @@ def test_a_forward_registering_a_new_buffer_on_every_call_keeps_no_more_each_cal
     finally:
         amp_patch.deinitialize()
     assert model.scale.dtype is torch.float32
+
+
+class _Net(nn.Module):
+    """Lightning-style: ``training_step`` calls ``self.net``, so the fused block starts each call itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, x):
+        return (self.net(x).float() - 1).pow(2).mean()
+
+
+def test_a_fused_block_that_starts_the_call_itself_ends_it():
+    """``fuse_modules_qat`` wraps Linear+ReLU in a ``LinearReLU`` that gets the Linear's pre-hook while the hook that
+    ends the call stays on the inner Linear: the wrapper starting a call must end it too (before, the half copies
+    stayed in the model and the loss stopped moving)."""
+    results = []
+    for late in (False, True):
+        torch.manual_seed(0)
+        model = _Net()
+        fuse = torch.ao.quantization.fuse_modules_qat
+        if not late:
+            fuse(model.net, [["0", "1"]], inplace=True)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
+                                                verbosity=0)
+        try:
+            if late:
+                fuse(model.net, [["0", "1"]], inplace=True)
+                optimizer.param_groups[0]["params"] = list(model.parameters())
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)).bfloat16()  # (no model call casts it)
+            for _ in range(3):
+                loss = model.training_step(x)
+                with amp_patch.scale_loss(loss, optimizer) as scaled:
+                    scaled.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                assert model.net[0][0].weight.dtype is torch.float32
+            results.append([p.detach().clone() for p in model.parameters()])
+        finally:
+            amp_patch.deinitialize()
+    before, after = results
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

@@ -1,0 +1,100 @@
+"""The forward hooks that start and end O2's calls (:mod:`.compute_copies`), and the state of a call.
+
+The model and every module owning cast params get a pre-hook (:class:`Install`) and an always-called hook
+(:class:`Restore`). The outermost call in a thread starts at its module's pre-hook and ends at that module's
+hook; inside it only that module counts its own calls (a recursive forward) and every other owner's hooks do
+nothing, so hooks that third-party code moved or dropped (``fuse_modules``) cannot keep a call open, and a module
+that starts a call without its hook gets one (:meth:`~.compute_copies.ComputeCopies.ensure_restore`). A call
+found open at its module's next call whose frame no longer runs was cut off (a ``KeyboardInterrupt`` skips the
+always-called hooks): its copies are dropped before the new call (:meth:`~.compute_copies.ComputeCopies.drop_stale`).
+"""
+import sys
+import threading
+
+import torch
+
+from .._torch.hooks import SessionHook
+
+_compiling = torch.compiler.is_compiling
+
+
+class Install(SessionHook):
+    def __init__(self, owner):
+        self.owner = owner
+
+    def __call__(self, module, args):
+        owner = self.owner
+        if owner.live and not _compiling():
+            call = owner.call
+            # inside this thread's call: install's inner case, inlined (every owner of cast params has this hook,
+            # so it runs for each of them on every forward)
+            if call.depth:
+                if module is not call.called:
+                    return
+                if call.frame is None or _running(call.frame):
+                    call.depth += 1  # (a recursive call)
+                    return
+                owner.drop_stale()
+            owner.install(module)
+            if call.depth == 1 and call.called is module:
+                call.frame = sys._getframe(1)
+                owner.ensure_restore(module)
+            return
+        owner.install(module)
+
+
+class Restore(SessionHook):
+    def __init__(self, owner):
+        self.owner = owner
+
+    def __call__(self, module, args, output):
+        owner = self.owner
+        if not _compiling():
+            call = owner.call
+            if call.depth and module is not call.called:  # uninstall's inner cases, inlined
+                return None
+            if call.depth > 1:
+                call.depth -= 1
+                return None
+        return owner.uninstall(output, module)
+
+
+class GlobalHook(SessionHook):
+    """Torch's global forward pre-hook or hook, dispatched to the fast-path layers it serves (a hook of their own
+    would cost them their fused kernel)."""
+
+    def __init__(self, layers, hook):
+        self.layers, self.hook = layers, hook
+
+    def __call__(self, module, *rest):
+        if id(module) in self.layers and self.layers[id(module)] is module:
+            return self.hook(module, *rest)
+        return None
+
+
+class TracedCall:
+    """A call of the model: its depth, the module that started it, the copies it installed, the frame of torch's
+    call that runs it (eager calls started by a hook; None: unknown). As such, the state of the call dynamo traces
+    (a plain object: dynamo tracks changes to its attributes, not to a thread-local's)."""
+
+    def __init__(self):
+        self.depth = 0
+        self.called = None
+        self.frame = None
+        self.swapped = []  # (module, its params dict, name, fp32 param, copy, the copy's version or None)
+
+
+class ThreadCall(threading.local):
+    """This thread's call of the model (the fields of :class:`TracedCall`, per thread)."""
+
+    __init__ = TracedCall.__init__
+
+
+def _running(frame):
+    """Whether ``frame`` is on this thread's stack (its call has not ended)."""
+    caller = sys._getframe(2)
+    while caller is not None:
+        if caller is frame:
+            return True
+        caller = caller.f_back
+    return False

@@ -7,7 +7,12 @@
   ``diagnose_overflow=True``) go on torch's global hook lists instead, filtered to that layer
   (:func:`forward_pre_hook`, :func:`forward_hook`). Global pre-hooks see positional arguments only; that layer's
   keyword arguments are masks it converts to the input's dtype itself and ``is_causal``.
+* :func:`module_call_frame` and :func:`running` tell whether a module call whose hooks ran is still running (a
+  ``KeyboardInterrupt`` skips torch's always-called hooks, so a call can end without its hook).
 """
+import sys
+import types
+
 import torch
 from torch.nn.modules import module as _module_mod
 
@@ -118,3 +123,31 @@ def _fast_path_members(modules):
             if isinstance(layer, FAST_PATH_TYPES):
                 inside.update(id(m) for m in layer.modules())
     return inside
+
+
+def _inner_code():
+    for const in _module_mod.Module._call_impl.__code__.co_consts:
+        if isinstance(const, types.CodeType) and const.co_name == "inner":
+            return const
+    return None
+
+
+_INNER = _inner_code()  # the code of torch's module call body that runs a module's own hooks and its forward
+
+
+def module_call_frame(depth):
+    """The frame that called the caller ``depth`` frames up (``sys._getframe(depth + 1)``) if it is torch's module
+    call running that module's own hooks (one call of one module: the same frame runs its pre-hooks, its forward
+    and its hooks), else None (a global hook's dispatch, an exception's always-called hooks, another torch)."""
+    frame = sys._getframe(depth + 1)
+    return frame if _INNER is not None and frame.f_code is _INNER else None
+
+
+def running(frame):
+    """Whether ``frame`` is on this thread's stack (the call it runs has not ended)."""
+    caller = sys._getframe(1)
+    while caller is not None:
+        if caller is frame:
+            return True
+        caller = caller.f_back
+    return False

@@ -11,12 +11,22 @@ The hooks are objects of the classes below, so a model can be pickled (``torch.s
 its state_dict hooks become inert (its ``state_dict()`` is its own tensors, in their current dtypes) while its
 input/output casts keep following its own weights (see :class:`CastInputs`).
 """
+import sys
 import threading
 import types
 
 import torch
 
-from .._torch.hooks import FAST_PATH_TYPES, ForwardHook, InertHook, SessionHook, forward_hook, forward_pre_hook  # noqa: F401 (InertHook: pickles name it here)
+from .._torch.hooks import (  # noqa: F401 (InertHook: pickles name it here)
+    FAST_PATH_TYPES,
+    ForwardHook,
+    InertHook,
+    SessionHook,
+    forward_hook,
+    forward_pre_hook,
+    module_call_frame,
+    running,
+)
 from ..casting.wrappers import cast_tree
 from ..config.dtypes import FLOAT_DTYPES, HALF_DTYPES
 from ..errors import UsageError
@@ -159,23 +169,34 @@ class CastOutputs(ForwardHook):
     def __init__(self, dtype, fp64=False):
         self.dtype, self.fp64 = dtype, fp64
         self.depths = {}  # thread ident -> calls of the model in progress
+        self.frames = {}  # thread ident -> the frame of torch's outermost call (None: not known)
 
     def __getstate__(self):  # (a copy of the model is not inside this model's calls)
-        return {**self.__dict__, "depths": {}}
+        return {**self.__dict__, "depths": {}, "frames": {}}
 
     def entered(self):
+        """A call starts (from :class:`EnterCall`, which torch's module call runs). One found in progress whose
+        frame is gone was cut off (Ctrl-C skips the always-called hooks): this call is the outermost."""
         if not torch.compiler.is_compiling():
             depths, ident = self.depths, threading.get_ident()
-            depths[ident] = depths.get(ident, 0) + 1
+            frames = self.__dict__.setdefault("frames", {})
+            depth = depths.get(ident, 0)
+            if depth and frames.get(ident) is not None and not running(frames[ident]):
+                depth = 0
+            if not depth:
+                frames[ident] = module_call_frame(2)
+            depths[ident] = depth + 1
 
     def __call__(self, module, args, out):
         depths = getattr(self, "depths", None)
         if depths is not None and not torch.compiler.is_compiling():
             ident = threading.get_ident()
             depth = depths.pop(ident, 0)
-            if depth > 1:
-                depths[ident] = depth - 1
+            frames = self.__dict__.get("frames", {})
+            if depth > 1 and (frames.get(ident) is None or sys._getframe(1) is not frames[ident]):
+                depths[ident] = depth - 1  # (a recursive call ends; the outermost one ends all)
                 return None
+            frames.pop(ident, None)
         if self.skip is not None and self.skip():
             return None  # (session/nested_models.py: the outer model's own output cast applies)
         cast = _caster(self.dtype, getattr(self, "fp64", False))

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from .._torch.hooks import SessionHook
+from .._torch.hooks import SessionHook, module_call_frame, running
 
 _compiling = torch.compiler.is_compiling
 
@@ -30,14 +30,15 @@ class Install(SessionHook):
             # so it runs for each of them on every forward)
             if call.depth:
                 if module is not call.called:
-                    return
-                if call.frame is None or _running(call.frame):
+                    if module is not owner.model or call.frame is None or running(call.frame):
+                        return
+                elif call.frame is None or running(call.frame):
                     call.depth += 1  # (a recursive call)
                     return
-                owner.drop_stale()
+                owner.drop_stale()  # (the call in progress was cut off: its frame is gone)
             owner.install(module)
             if call.depth == 1 and call.called is module:
-                call.frame = sys._getframe(1)
+                call.frame = module_call_frame(1)
                 owner.ensure_restore(module)
             return
         owner.install(module)
@@ -54,8 +55,10 @@ class Restore(SessionHook):
             if call.depth and module is not call.called:  # uninstall's inner cases, inlined
                 return None
             if call.depth > 1:
-                call.depth -= 1
-                return None
+                if call.frame is None or sys._getframe(1) is not call.frame:
+                    call.depth -= 1  # (a recursive call ends)
+                    return None
+                call.depth = 1  # the outermost call ends: recursive calls cut off inside it ended too
         return owner.uninstall(output, module)
 
 
@@ -88,13 +91,3 @@ class ThreadCall(threading.local):
     """This thread's call of the model (the fields of :class:`TracedCall`, per thread)."""
 
     __init__ = TracedCall.__init__
-
-
-def _running(frame):
-    """Whether ``frame`` is on this thread's stack (its call has not ended)."""
-    caller = sys._getframe(2)
-    while caller is not None:
-        if caller is frame:
-            return True
-        caller = caller.f_back
-    return False

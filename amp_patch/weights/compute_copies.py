@@ -274,8 +274,9 @@ class ComputeCopies:
         without; it gets one (registered during its pre-hooks, it runs at the end of this very call)."""
         if isinstance(module, FAST_PATH_TYPES):  # (its hooks are torch's global ones)
             return
-        for hook in module._forward_hooks.values():
-            if type(hook) is Restore and hook.owner is self:
+        always = module._forward_hooks_always_called
+        for hook_id, hook in module._forward_hooks.items():
+            if type(hook) is Restore and hook.owner is self and hook_id in always:
                 return
         self.handles.append(module.register_forward_hook(Restore(self), prepend=True, always_call=True))
 

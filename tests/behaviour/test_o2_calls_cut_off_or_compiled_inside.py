@@ -26,9 +26,11 @@ def _train(model, optimizer, x, steps, interrupt_at=None):
     for step in range(steps):
         model[1].interrupt = step == interrupt_at
         try:
-            loss = model(x).float().pow(2).mean()
+            out = model(x)
         except KeyboardInterrupt:
             continue
+        assert out.dtype is torch.float32  # (the model's outputs are cast at its outermost call)
+        loss = out.pow(2).mean()
         with amp_patch.scale_loss(loss, optimizer) as scaled:
             scaled.backward()
         optimizer.step()
@@ -104,3 +106,110 @@ def test_a_model_with_a_compiled_submodule_trains_as_the_eager_one(where):
         finally:
             amp_patch.deinitialize()
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+class _Owner(nn.Module):
+    """Owns a param and calls a block: called on its own, it starts a call of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.block = _Block()
+
+    def forward(self, x):
+        return self.block(x) * self.scale
+
+
+def test_a_cut_off_call_started_by_a_submodule_is_dropped_at_the_models_next_call(caplog):
+    torch.manual_seed(0)
+    model = nn.Sequential(_Owner(), _Block())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
+                                            verbosity=0)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    try:
+        model[0].block.interrupt = True
+        with pytest.raises(KeyboardInterrupt):
+            model[0](x.bfloat16())
+        model[0].block.interrupt = False
+        with caplog.at_level(logging.WARNING, logger="amp_patch"):
+            for _ in range(2):
+                out = model(x)
+                assert out.dtype is torch.float32
+                with amp_patch.scale_loss(out.pow(2).mean(), optimizer) as scaled:
+                    scaled.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                assert model[0].scale.dtype is torch.float32 and model[0].scale.grad is None
+    finally:
+        amp_patch.deinitialize()
+    assert "never ended" in caplog.text
+
+
+class _Recursive(nn.Module):
+    """A recursive forward that catches a ``KeyboardInterrupt`` of its inner call and calls it again."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.interrupts = 0
+
+    def forward(self, x, depth=1):
+        if depth == 0:
+            if self.interrupts:
+                self.interrupts -= 1
+                raise KeyboardInterrupt
+            return self.lin(x)
+        try:
+            h = self(x, depth - 1)
+        except KeyboardInterrupt:
+            h = self(x, depth - 1)
+        return torch.tanh(self.lin(h))
+
+
+def test_an_inner_call_cut_off_and_retried_inside_the_forward_ends_with_the_outermost_call(caplog):
+    """The outermost call's hook ends the call whatever happened inside it: the step's backward and optimizer see
+    the fp32 params, no warning, and the run equals one without the interruption."""
+    runs = []
+    for interrupts in (0, 1):
+        torch.manual_seed(0)
+        model = _Recursive()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+        model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
+                                                verbosity=0)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+        try:
+            with caplog.at_level(logging.WARNING, logger="amp_patch"):
+                for step in range(3):
+                    model.interrupts = interrupts if step == 1 else 0
+                    out = model(x)
+                    assert out.dtype is torch.float32 and model.lin.weight.dtype is torch.float32
+                    with amp_patch.scale_loss(out.pow(2).mean(), optimizer) as scaled:
+                        scaled.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            runs.append([p.detach().clone() for p in model.parameters()])
+        finally:
+            amp_patch.deinitialize()
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert "never ended" not in caplog.text
+
+
+def test_a_fused_module_whose_moved_hook_is_not_always_called_ends_a_call_that_raises():
+    """``fuse_modules`` re-registers the last module's hooks without ``always_call``: the fused module's call must
+    still end when its forward raises (a shape probe)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(2, 3, 1), nn.BatchNorm1d(3), nn.ReLU(), nn.Flatten(), nn.Linear(12, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
+                                            keep_batchnorm_fp32=False, verbosity=0)
+    try:
+        model.eval()
+        torch.ao.quantization.fuse_modules(model, [["0", "1"]], inplace=True)
+        with pytest.raises(RuntimeError):
+            model[0](torch.randn(5, 7, 4).bfloat16())  # (wrong channels)
+        assert model[0].weight.dtype is torch.float32
+        out = model(torch.randn(5, 2, 4))
+        assert out.dtype is torch.float32 and model[4].weight.dtype is torch.float32
+    finally:
+        amp_patch.deinitialize()

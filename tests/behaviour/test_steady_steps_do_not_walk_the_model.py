@@ -7,10 +7,10 @@ import sys
 
 import pytest
 import torch
+import zoo  # (tests/zoo.py: conftest.py puts tests/ on the path)
 from torch import nn
 
 import amp_patch
-from tests import zoo
 
 MODELS = ["gpt2-eager", "bert-eager", "t5-eager", "llama-sdpa", "vit-sdpa", "whisper-eager", "encoder",
           "transformer", "resnet", "lstm-seq2seq"]

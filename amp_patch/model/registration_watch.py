@@ -17,7 +17,8 @@ class RegistrationWatch:
     (``ModuleList.insert`` and ``torch.ao.quantization.convert`` write ``_modules`` directly). That module is held
     weakly until then, so the usual ones cost nothing: HF models build ``CrossEntropyLoss()`` inside ``forward`` on
     every call (its ``weight`` buffer is registered), a script may build a loss module per step; both are gone by
-    the next call. A module built before initialize and put into ``_modules`` directly later is not seen.
+    the next call. Put into ``_modules`` directly, a module is not seen if it was built before initialize or before
+    an earlier call of the model, or made without a registration (``copy.deepcopy``, ``torch.load``).
 
     Once the model runs compiled (:meth:`compile_starts`, from its traced hooks; dynamo cannot run :meth:`settle`),
     every registration counts, as one inside a traced forward does: dynamo guards on ``generation`` and retraces.

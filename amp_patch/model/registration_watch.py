@@ -135,6 +135,16 @@ class RegistrationWatch:
             with self.lock:
                 self._changed()
 
+    def at_call(self, traced):
+        """A call of the model starts (its readers call this before comparing ``generation``): in eager code the
+        modules built outside it are checked (:meth:`settle`); in traced code (``traced``) only booleans are read,
+        and the first traced call starts the compiled rule (:meth:`compile_starts`)."""
+        if traced:
+            if not self.compiled:
+                self.compile_starts()
+        elif self.pending:
+            self.settle()
+
     def compile_starts(self):
         """The model's hooks are traced by dynamo for the first time: from now on every registration counts; the
         modules built outside the model since its last eager call count too (one may have joined it)."""

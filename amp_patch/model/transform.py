@@ -129,11 +129,7 @@ class CastInputs(ForwardHook):
         dtype = self.like.dtype(self.dtype)
         self.like.check(module, dtype)
         watch = self.watch
-        if torch.compiler.is_compiling():
-            if not watch.compiled:
-                watch.compile_starts()
-        elif watch.pending:
-            watch.settle()
+        watch.at_call(torch.compiler.is_compiling())
         if watch.generation != self.checked:
             _check_dtypes(module, dtype, self.keep_types)
             self.checked = self.watch.generation

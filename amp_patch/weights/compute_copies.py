@@ -182,11 +182,7 @@ class ComputeCopies:
 
     def _swap_in(self, state, called):
         watch = self.watch
-        if state is self.call:
-            if watch.pending:  # (a module built outside the model may have joined it)
-                watch.settle()
-        elif not watch.compiled:
-            watch.compile_starts()
+        watch.at_call(state is self.traced)
         if self.generation != watch.generation:
             self._collect()
         if state is self.call and watch.buffers:

@@ -10,6 +10,12 @@ from torch import nn
 import amp_patch
 
 
+def _o2(model, optimizer_class=torch.optim.SGD, **hyper):
+    """``model`` and an optimizer of its params under O2 (bf16)."""
+    optimizer = optimizer_class(model.parameters(), **hyper)
+    return amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+
+
 class _Block(nn.Module):
     def __init__(self):
         super().__init__()
@@ -46,9 +52,7 @@ def test_training_goes_on_after_a_call_cut_off_by_a_keyboard_interrupt(caplog):
     for interrupt_at in (None, 1):
         torch.manual_seed(0)
         model = nn.Sequential(_Block(), _Block())
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
-        model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
-                                                verbosity=0)
+        model, optimizer = _o2(model, lr=0.3)
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
         try:
             with caplog.at_level(logging.WARNING, logger="amp_patch"):
@@ -89,9 +93,7 @@ def test_a_model_with_a_compiled_submodule_trains_as_the_eager_one(where):
             model.enc = compile_(model.enc)
         elif where == "leaf":
             model.enc.a = compile_(model.enc.a)
-        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-        model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
-                                                verbosity=0)
+        model, optimizer = _o2(model, torch.optim.Adam, lr=0.01)
         if where == "submodule after initialize":
             model.enc = compile_(model.enc)
         x, y = torch.randn(5, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 0, 1])
@@ -123,9 +125,7 @@ class _Owner(nn.Module):
 def test_a_cut_off_call_started_by_a_submodule_is_dropped_at_the_models_next_call(caplog):
     torch.manual_seed(0)
     model = nn.Sequential(_Owner(), _Block())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
-    model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
-                                            verbosity=0)
+    model, optimizer = _o2(model, lr=0.3)
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
     try:
         model[0].block.interrupt = True
@@ -174,9 +174,7 @@ def test_an_inner_call_cut_off_and_retried_inside_the_forward_ends_with_the_oute
     for interrupts in (0, 1):
         torch.manual_seed(0)
         model = _Recursive()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
-        model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
-                                                verbosity=0)
+        model, optimizer = _o2(model, lr=0.3)
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
         try:
             with caplog.at_level(logging.WARNING, logger="amp_patch"):

@@ -11,13 +11,17 @@ from torch import nn
 import amp_patch
 
 
+def _o2(model, optimizer_class=torch.optim.SGD, **hyper):
+    """``model`` and an optimizer of its params under O2 (bf16)."""
+    optimizer = optimizer_class(model.parameters(), **hyper)
+    return amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+
+
 def test_a_module_attached_after_initialize_is_seen_at_the_next_forward():
     """The other side: registering into the model is a change, and O2 picks the new module's params up."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
-                                            verbosity=0)
+    model, optimizer = _o2(model, lr=1e-3)
     try:
         model(torch.randn(2, 4))
         head = nn.Linear(4, 2)  # (built outside the model: its own registrations are not the model's)
@@ -36,9 +40,7 @@ def test_a_module_attached_inside_a_module_attached_after_initialize_is_seen():
     that itself joined the model after initialize is part of the model too."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
-                                            verbosity=0)
+    model, optimizer = _o2(model, lr=1e-3)
     try:
         model.append(nn.Sequential())
         model(torch.randn(2, 4))
@@ -90,9 +92,7 @@ def _train_stack(sequential, edit, late, compiled=False):
     model = _Stack(sequential)
     if not late:
         edit(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
-                                            verbosity=0)
+    model, optimizer = _o2(model, lr=0.1)
     if compiled:
         torch._dynamo.reset()
     run = torch.compile(model, backend="eager") if compiled else model
@@ -119,9 +119,7 @@ def test_registrations_in_two_threads_while_one_grows_the_model_raise_nothing():
     meanwhile must not fail the builder's registration (it counts the change instead)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(*[nn.Linear(2, 2) for _ in range(10)]) for _ in range(10)])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
-                                            verbosity=0)
+    model, optimizer = _o2(model, lr=0.1)
     errors, stop = [], threading.Event()
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
@@ -173,9 +171,7 @@ def test_fusing_modules_after_initialize_trains_as_fusing_them_before():
         model = _ConvBn().eval()
         if not late:
             _fuse(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
-                                                verbosity=0)
+        model, optimizer = _o2(model, lr=0.1)
         try:
             if late:
                 _fuse(model)
@@ -217,9 +213,7 @@ def test_a_compiled_model_trains_as_the_eager_one_with_registrations_every_step(
     for compiled in (False, True):
         torch.manual_seed(0)
         model = _Scaled(reregister=True)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
-                                                verbosity=0)
+        model, optimizer = _o2(model, lr=0.1)
         torch._dynamo.reset()
         run = torch.compile(model, backend="eager") if compiled else model
         try:
@@ -247,9 +241,7 @@ def test_a_forward_registering_a_new_buffer_on_every_call_keeps_no_more_each_cal
     import gc
     torch.manual_seed(0)
     model = _Scaled(reregister=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
-                                            verbosity=0)
+    model, optimizer = _o2(model, lr=0.1)
     try:
         x = torch.randn(2, 4)
 
@@ -291,9 +283,7 @@ def test_a_fused_block_that_starts_the_call_itself_ends_it():
         fuse = torch.ao.quantization.fuse_modules_qat
         if not late:
             fuse(model.net, [["0", "1"]], inplace=True)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-        model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16,
-                                                verbosity=0)
+        model, optimizer = _o2(model, lr=0.5)
         try:
             if late:
                 fuse(model.net, [["0", "1"]], inplace=True)

@@ -215,6 +215,21 @@ class CastingEngine:
         if self.fast is not None:
             self.fast.forget()
 
+    def loss_begins(self):
+        """A ``scale_loss`` block opens in this thread: :meth:`resume_after_step` and :meth:`forget_forwards` in
+        one frame (each guard skips a call that would do nothing: every iteration)."""
+        ident = threading.get_ident()
+        paused = self._paused
+        if paused and ident in paused:
+            paused.discard(ident)
+            self.disabled.exit()
+        forwards = self.forwards
+        if forwards:
+            forwards.pop(ident, None)
+        fast = self.fast
+        if fast is not None and fast.depth:
+            fast.forget()
+
     def pause_for_step(self):
         """Optimizer math runs on fp32 params/grads: no wrapper has anything to cast there, so skip them for
         the step (the in-place ops of an optimizer step are most of O1's per-step wrapper calls)."""

@@ -206,6 +206,8 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
 
     # -- step hooks -----------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs):
+        if self._usual_pre_step(args, kwargs):
+            return
         if self.stepping and self._inside_step():  # a subclass's step() calling super().step(): torch runs the
             self.stepping += 1                         # hooks again; it is one step
             return
@@ -246,6 +248,37 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
                 self._drop_grads()
             # (any other optimizer's step runs with its grads, which it may read, and is undone from the copy)
 
+    def _usual_pre_step(self, args, kwargs):
+        """:meth:`_pre_step` of the usual step, in one frame: no closure, a block named the optimizer since its last
+        step, nothing pending, doomed or foreign, no masters, the thread known. True if it did the pre-step."""
+        if (self.stepping or len(args) != 1 or kwargs or self.masters is not None or self.pending is not None
+                or self.next_step is not READY or self.foreign is not None or not self.forgotten.scaled):
+            return False
+        ident = threading.get_ident()
+        if ident not in self.threads:
+            return False
+        self.step_frame = sys._getframe(2)  # (as _pre_step's: torch's step wrapper running the hooks)
+        self.busy[ident] = "optimizer.step()"
+        self.forgotten.scaled = False
+        if self.engine is not None:
+            self.engine.pause_for_step()
+        self.last_skipped, self.stepping, self.snapshot = False, 1, None  # (_take_step of a READY step)
+        return True
+
+    def _usual_post_step(self):
+        """:meth:`_post_step` of a step :meth:`_usual_pre_step` could have begun (outermost, not skipped, no closure
+        overflow, no snapshot, no masters), in one frame. True if it did the post-step."""
+        if (self.stepping != 1 or self.snapshot is not None or self.closure_overflow or self.masters is not None
+                or self.last_skipped):
+            return False
+        self.stepping, self.step_frame = 0, None
+        self.busy.pop(threading.get_ident(), None)
+        if self.undo_updates:
+            self.undo_updates.clear()
+        if self.engine is not None:
+            self.engine.resume_after_step()
+        return True
+
     def _drop_grads(self):
         for group in self.optimizer.param_groups:
             for p in group["params"]:
@@ -272,6 +305,8 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
         self.note_update(scaler, memento, found)
 
     def _post_step(self, optimizer, args, kwargs):
+        if self._usual_post_step():
+            return
         if self.stepping > 1:  # (an inner step() of a subclass's super().step(): the outermost one finishes)
             self.stepping -= 1
             return

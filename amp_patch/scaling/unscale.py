@@ -161,14 +161,38 @@ def unscale_usual_(grads, scale):
     model's: distinct dense plain tensors of one device and dtype, small enough for the one fused kernel (every step
     of the usual loop comes here: each Python frame more costs about a microsecond once backward has run)."""
     device = grads[0].device
-    if (not _plain_alike(grads) or device.type in _NO_KERNEL
-            or scale == 1.0 and torch.get_num_threads() > 1 and _count(grads) > _READ_ONLY_MIN):
+    if device.type in _NO_KERNEL:
+        return unscale_collected_(grads, scale)
+    if scale == 1.0:
+        return _check_usual(grads, device)
+    if not _plain_alike(grads):
         return unscale_collected_(grads, scale)
     found = _found_flag(device)
     try:
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, _inverse(device, 1.0 / scale))
     except NotImplementedError:  # (no kernel for this device type: the general path falls back and says so)
         return unscale_collected_(grads, scale)
+    return bool(found.item())
+
+
+def _check_usual(grads, device):
+    """:func:`unscale_usual_` at a scale of 1.0: a check only. ``x * 1.0 == x``, so neither a grad listed twice nor
+    a mix of dtypes needs grouping; plain tensors of one device are all the one kernel call needs, and what it
+    refuses (a sparse grad: NotImplementedError; a non-strided one: RuntimeError) it may have checked in part
+    without changing anything, so the general path then checks every grad again."""
+    if device.type == "cpu":
+        for grad in grads:
+            if type(grad) is not _Tensor or not grad.is_cpu:
+                return unscale_collected_(grads, 1.0)
+    elif not _plain_alike(grads):
+        return unscale_collected_(grads, 1.0)
+    if torch.get_num_threads() > 1 and _count(grads) > _READ_ONLY_MIN:
+        return unscale_collected_(grads, 1.0)
+    found = _found_flag(device)
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, _inverse(device, 1.0))
+    except (NotImplementedError, RuntimeError):
+        return unscale_collected_(grads, 1.0)
     return bool(found.item())
 
 

@@ -1,9 +1,12 @@
-"""scale_loss's steady path (the usual block skips the checks its state makes idle) leaves exactly what the general
-path leaves: random training programs (gradient accumulation, zero_grad both ways, overflows, an exception inside
+"""scale_loss's steady path (the usual block skips the checks its state makes idle), with the usual step's hooks and
+the check-only unscale at a scale of 1.0, leaves exactly what the general paths leave: random training programs (gradient accumulation, zero_grad both ways, overflows, an exception inside
 the block, loss ids, delayed unscaling, optimizers passed in a list, steps skipped or not) run both ways, and
 every step's params, grads, loss scales, step history and skip flags agree bitwise, errors included (a block
 nested in another on the same optimizer, refused on both)."""
+import contextlib
+import logging
 import random
+import warnings
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from torch import nn
 
 import amp_patch
 from amp_patch import legacy
+from amp_patch.scaling import optimizer_state, unscale
 from amp_patch.session import scale_loss as scale_loss_module
 
 CONFIGS = [  # (API, opt level, half dtype, loss scale[, initialize's other options])
@@ -26,7 +30,7 @@ CONFIGS = [  # (API, opt level, half dtype, loss scale[, initialize's other opti
     ("apex", "O1", torch.float16, 1.0),  # Apex's early return: no scaler update at a static 1.0
 ]
 OPS = ["block", "block", "block", "block_inf", "block_raise", "block_listed", "block_loss1", "block_delayed",
-       "block_nested", "zero", "zero_keep", "step", "step", "step_closure"]
+       "block_nested", "zero", "zero_keep", "step", "step", "step_closure", "plain_backward"]
 
 
 class _Boom(Exception):
@@ -69,6 +73,8 @@ def _apply(op, model, optimizer, x, y, scale_loss):
         optimizer.zero_grad(set_to_none=False)
     elif op == "step":
         optimizer.step()
+    elif op == "plain_backward":  # (scale_loss forgotten: the next step warns once where that trains unscaled)
+        _loss(model, x, y).backward()
     elif op == "step_closure":
         def closure():
             optimizer.zero_grad()
@@ -87,6 +93,23 @@ def _apply(op, model, optimizer, x, y, scale_loss):
             if op == "block_nested":  # (refused: the outer block is still open)
                 with scale_loss(_loss(model, x, y), optimizer) as inner:
                     inner.backward()
+
+
+@contextlib.contextmanager
+def _said():
+    """What the body warned or logged (amp_patch's logger), in order."""
+    said = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("amp_patch")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield said
+        said.extend(str(w.message) for w in caught)
+    finally:
+        logger.removeHandler(handler)
 
 
 def _run(config, program):
@@ -110,8 +133,9 @@ def _run(config, program):
         for op in program:
             x, y = torch.randn(4, 8, generator=data), torch.randn(4, 4, generator=data)
             try:
-                _apply(op, model, optimizer, x, y, scale_loss)
-                outcome = None
+                with _said() as said:
+                    _apply(op, model, optimizer, x, y, scale_loss)
+                outcome = said or None
             except _Boom:
                 outcome = "boom"
             except (amp_patch.errors.UsageError, RuntimeError) as exc:
@@ -122,6 +146,14 @@ def _run(config, program):
     return log
 
 
+def _general_paths_only(monkeypatch):
+    """Every usual-case shortcut off: the steady block, the usual step's hooks, the check-only unscale."""
+    monkeypatch.setattr(scale_loss_module, "_steady_state", lambda *args: None)
+    monkeypatch.setattr(optimizer_state.OptimizerState, "_usual_pre_step", lambda self, args, kwargs: False)
+    monkeypatch.setattr(optimizer_state.OptimizerState, "_usual_post_step", lambda self: False)
+    monkeypatch.setattr(unscale, "_check_usual", lambda grads, device: unscale.unscale_collected_(grads, 1.0))
+
+
 def _config_id(config):
     return "-".join([config[0], config[1], str(config[2])[6:], str(config[3])] + sorted(config[4:] and config[4]))
 
@@ -130,18 +162,24 @@ def _config_id(config):
 @pytest.mark.parametrize("seed", range(6))
 def test_a_random_program_leaves_the_same_state_on_the_steady_and_general_paths(config, seed, monkeypatch):
     program = ["block", "step"] + _program(seed)  # (the first block takes the general path: one-time checks)
-    taken = []
-    steady_state = scale_loss_module._steady_state
+    taken = {"block": [], "step": []}
+    steady_state, usual_pre_step = scale_loss_module._steady_state, optimizer_state.OptimizerState._usual_pre_step
 
     def counting(*args):
         state = steady_state(*args)
-        taken.append(state is not None)
+        taken["block"].append(state is not None)
         return state
 
+    def counting_step(self, args, kwargs):
+        taken["step"].append(usual_pre_step(self, args, kwargs))
+        return taken["step"][-1]
+
     monkeypatch.setattr(scale_loss_module, "_steady_state", counting)
+    monkeypatch.setattr(optimizer_state.OptimizerState, "_usual_pre_step", counting_step)
     steady = _run(config, program)
-    assert any(taken), "the steady path never ran: this program cannot tell the two paths apart"
-    monkeypatch.setattr(scale_loss_module, "_steady_state", lambda *args: None)
+    assert any(taken["block"]), "the steady path never ran: this program cannot tell the two paths apart"
+    assert any(taken["step"]), "the usual step never ran: this program cannot tell the two paths apart"
+    _general_paths_only(monkeypatch)
     general = _run(config, program)
     for i, (got, want) in enumerate(zip(steady, general)):
         assert got == want, f"after op {i} ({program[i]}) of {program}: the steady path left {got}, the general {want}"

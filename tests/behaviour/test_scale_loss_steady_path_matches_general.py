@@ -1,8 +1,9 @@
 """scale_loss's steady path (the usual block skips the checks its state makes idle), with the usual step's hooks and
-the check-only unscale at a scale of 1.0, leaves exactly what the general paths leave: random training programs (gradient accumulation, zero_grad both ways, overflows, an exception inside
-the block, loss ids, delayed unscaling, optimizers passed in a list, steps skipped or not) run both ways, and
-every step's params, grads, loss scales, step history and skip flags agree bitwise, errors included (a block
-nested in another on the same optimizer, refused on both)."""
+the check-only unscale at a scale of 1.0, leaves exactly what the general paths leave: random training programs
+(gradient accumulation, zero_grad both ways, overflows, an exception inside the block, loss ids, delayed unscaling,
+optimizers passed in a list, steps skipped or not, a plain backward) run both ways, and every step's params, grads,
+loss scales, step history, skip flags and what amp_patch logged agree bitwise, errors included (a block nested in
+another on the same optimizer, refused on both)."""
 import contextlib
 import logging
 import random

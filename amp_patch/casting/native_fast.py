@@ -73,8 +73,10 @@ class FastRegions:
         if depth > 0:
             self.depth[ident] = depth
             return
-        if self.depth.pop(ident, None) is not None:
-            self._end(ident)
+        if self.depth.pop(ident, None) is not None:  # (_end, in this frame: every forward ends here)
+            self.sync(ident)
+            if _decrement_nesting() <= 0:
+                _clear_native_cache()
 
     def forget(self):
         """This thread's forwards are over (one that raised may have left its region open)."""
@@ -121,10 +123,12 @@ class FastRegions:
                 self.bypass.pop(ident, None)
 
     def _turn_on(self, ident):
-        self.saved[ident] = [(d, _is_enabled(d), _get_dtype(d)) for d in self.device_types]
-        for device in self.device_types:
+        saved = []
+        for device in self.device_types:  # (one loop, no comprehension frame: every forward turns native on)
+            saved.append((device, _is_enabled(device), _get_dtype(device)))
             _set_dtype(device, self.half_dtype)
             _set_enabled(device, True)
+        self.saved[ident] = saved
 
     def _turn_off(self, ident):
         for device, enabled, dtype in self.saved.pop(ident):

@@ -69,11 +69,10 @@ class GradProtocol:
 
     def close_block(self, scaler, ident):
         """The steady block of thread ``ident`` exits with no exception: the optimizer leaves it, and
-        :meth:`after_backward` (one-owner layout: unscale and check its grads in this frame); inf/NaN seen?"""
+        :meth:`after_backward` of the one-owner layout with nothing set aside, outside ``step()`` (the caller's
+        conditions: unscale and check its grads in this frame); inf/NaN seen?"""
         self.in_scale_loss = False
         self.busy.pop(ident, None)
-        if self.masters is not None or self.set_aside or self.stepping:
-            return self.after_backward(scaler, False)
         grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         pending, self.pending = self.pending, None
         return bool(grads) and unscale_usual_(grads, scaler._scale) or pending is not None and pending.inf_seen

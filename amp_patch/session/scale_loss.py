@@ -179,7 +179,8 @@ class _Block(contextlib.ContextDecorator):
         self.phase = self.DONE
         session, scaler = self.session, self.scaler
         observe, engine = session.observe, session.casting.engine
-        if observe.diagnoser is not None or engine is not None and engine.tracer is not None:
+        if (observe.diagnoser is not None or engine is not None and engine.tracer is not None or state.set_aside
+                or state.stepping):  # (set-aside grads come back through add_; a closure's overflow zeroes grads)
             _mark_open((state,), False, self.ident)
             self._end_steady()
             return

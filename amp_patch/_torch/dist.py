@@ -9,11 +9,14 @@ import warnings
 
 import torch
 
+_AVAILABLE = torch.distributed.is_available()  # (a property of the build: read once)
+
 
 def world():
-    """``torch.distributed`` when a process group of more than one rank is up, else None."""
+    """``torch.distributed`` when a process group of more than one rank is up, else None (every scale_loss block
+    asks)."""
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _AVAILABLE and dist.is_initialized() and dist.get_world_size() > 1:
         return dist
     return None
 

@@ -62,7 +62,12 @@ class FastRegions:
             _increment_nesting()
             _clear_native_cache()
         if ident not in self.saved:
-            self.sync(ident)
+            engine = self.engine
+            if ident in engine.disabled or engine.native_regions.get(ident) or engine.tracer is not None:
+                self.sync(ident)
+                return
+            self._turn_on(ident)  # (sync's usual case, in this frame: every forward of a session model opens here)
+            self.bypass[ident] = 1
 
     def close(self):
         if not _compiling():
@@ -73,8 +78,13 @@ class FastRegions:
         if depth > 0:
             self.depth[ident] = depth
             return
-        if self.depth.pop(ident, None) is not None:  # (_end, in this frame: every forward ends here)
-            self.sync(ident)
+        if self.depth.pop(ident, None) is not None:  # (_end and sync's case of no forward left, in this frame:
+            if ident in self.saved:                   # every forward of a session model ends here)
+                self._turn_off(ident)
+            if ident in self.engine.disabled:
+                self.bypass[ident] = 1
+            else:
+                self.bypass.pop(ident, None)
             if _decrement_nesting() <= 0:
                 _clear_native_cache()
 

@@ -55,27 +55,27 @@ class GradProtocol:
             self._bring_to(scaler, unreduced=False)
         pending.scaler = scaler
 
-    def open_block(self, scaler, ident):
-        """A steady ``scale_loss`` block opens in thread ``ident``: :meth:`before_backward` (its usual case, grads
-        UNSCALED at a scale of 1.0 and nothing else to do, in this frame) and the optimizer is in the block."""
+    def open_block(self, scaler):
+        """A steady ``scale_loss`` block opens: :meth:`before_backward` of ``scaler``, its usual case (grads UNSCALED
+        at a scale of 1.0 and nothing else to do) in this frame."""
         if (self.pending is None and scaler._scale == 1.0 and self.next_step is not DOOMED and self.masters is None
-                and ident in self.threads and not self.kept_model_grads and self.foreign is None):
+                and threading.get_ident() in self.threads and not self.kept_model_grads and self.foreign is None):
             self.forgotten.scaled = True  # (ForgottenScaleLoss.note_scaled)
             self.pending = Scaled(scaler)
         else:
             self.before_backward(scaler, False)
-        self.in_scale_loss = True
-        self.busy[ident] = "a scale_loss block"
 
     def close_block(self, scaler, ident):
         """The steady block of thread ``ident`` exits with no exception: the optimizer leaves it, and
         :meth:`after_backward` of the one-owner layout with nothing set aside, outside ``step()`` (the caller's
-        conditions: unscale and check its grads in this frame); inf/NaN seen?"""
+        conditions: unscale and check its grads in this frame); inf/NaN seen? Grads stay pending until the check
+        returns (one that raised is finished by ``step()``, as after :meth:`after_backward`)."""
         self.in_scale_loss = False
         self.busy.pop(ident, None)
         grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        found = bool(grads) and unscale_usual_(grads, scaler._scale)
         pending, self.pending = self.pending, None
-        return bool(grads) and unscale_usual_(grads, scaler._scale) or pending is not None and pending.inf_seen
+        return found or pending is not None and pending.inf_seen
 
     @property
     def grads(self):

@@ -254,10 +254,11 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
         if (self.stepping or len(args) != 1 or kwargs or self.masters is not None or self.pending is not None
                 or self.next_step is not READY or self.foreign is not None or not self.forgotten.scaled):
             return False
+        frame = sys._getframe(2)  # (as _pre_step's: torch's step wrapper running the hooks; read first, as there)
         ident = threading.get_ident()
         if ident not in self.threads:
             return False
-        self.step_frame = sys._getframe(2)  # (as _pre_step's: torch's step wrapper running the hooks)
+        self.step_frame = frame
         self.busy[ident] = "optimizer.step()"
         self.forgotten.scaled = False
         if self.engine is not None:

@@ -115,14 +115,11 @@ class _Block(contextlib.ContextDecorator):
         engine = session.casting.engine
         if engine is not None:
             engine.loss_begins()
-        ident = self.ident = _get_ident()
-        state.open_block(scaler, ident)
-        self.session, self.scaler, self.phase = session, scaler, self.OPEN
+        state.open_block(scaler)
         scale = scaler._scale
-        if scale == 1.0:  # (_scaled's usual case)
-            self.probe = None
-            return loss.float()
-        scaled, self.probe = _scaled(loss, scale)
+        scaled, self.probe = (loss.float(), None) if scale == 1.0 else _scaled(loss, scale)  # (_scaled's usual case)
+        self.session, self.scaler = session, scaler
+        self._open((state,))
         return scaled
 
     def _open(self, states):

@@ -31,11 +31,17 @@ CONFIGS = [  # (API, opt level, half dtype, loss scale[, initialize's other opti
     ("apex", "O1", torch.float16, 1.0),  # Apex's early return: no scaler update at a static 1.0
 ]
 OPS = ["block", "block", "block", "block_inf", "block_raise", "block_listed", "block_loss1", "block_delayed",
-       "block_nested", "zero", "zero_keep", "step", "step", "step_closure", "plain_backward"]
+       "block_nested", "zero", "zero_keep", "step", "step", "step_closure", "plain_backward",
+       "block_bad_grad", "block_no_grad", "block_float_raises"]
 
 
 class _Boom(Exception):
     pass
+
+
+class _FloatRaises(torch.Tensor):
+    def float(self):
+        raise RuntimeError("loss.float() failed")
 
 
 def _program(seed, length=14):
@@ -84,8 +90,17 @@ def _apply(op, model, optimizer, x, y, scale_loss):
                 scaled.backward()
             return loss
         optimizer.step(closure)
+    elif op == "block_bad_grad":
+        _bad_grad_block(model, optimizer, x, y, scale_loss)
+    elif op == "block_no_grad":  # (a scaled loss needs grad for its probe: refused where the scale is not 1)
+        loss = _loss(model, x, y)
+        with torch.no_grad(), scale_loss(loss, optimizer) as scaled:
+            with torch.enable_grad():
+                scaled.backward()
     else:
         loss = _loss(model, x, y, inf=op == "block_inf")
+        if op == "block_float_raises":  # the entry fails half-way: loss.float() raises
+            loss = loss.as_subclass(_FloatRaises)
         kwargs = {"loss_id": 1} if op == "block_loss1" else {"delay_unscale": True} if op == "block_delayed" else {}
         with scale_loss(loss, [optimizer] if op == "block_listed" else optimizer, **kwargs) as scaled:
             scaled.backward()
@@ -94,6 +109,26 @@ def _apply(op, model, optimizer, x, y, scale_loss):
             if op == "block_nested":  # (refused: the outer block is still open)
                 with scale_loss(_loss(model, x, y), optimizer) as inner:
                     inner.backward()
+
+
+def _bad_grad_block(model, optimizer, x, y, scale_loss):
+    """The exit's check raises (the in-place kernel refuses an expanded grad); the grads stay pending, so the step
+    checks them again and raises too, leaving the params as they were. Then the grad is made sane again."""
+    said = []
+    for stage in ("exit", "step"):
+        try:
+            if stage == "exit":
+                with scale_loss(_loss(model, x, y), optimizer) as scaled:
+                    scaled.backward()
+                    grad = model[2].bias.grad
+                    model[2].bias.grad = grad[:1].expand_as(grad)
+            else:
+                optimizer.step()
+            said.append(f"{stage}: no error")
+        except RuntimeError as exc:
+            said.append(f"{stage}: {exc}")
+    model[2].bias.grad = None
+    raise RuntimeError("; ".join(said))
 
 
 @contextlib.contextmanager

@@ -171,13 +171,16 @@ class _Block(contextlib.ContextDecorator):
     def _exit_steady(self, state):
         """:meth:`__exit__` of a steady block that raised nothing and has no probe: :meth:`_leave`, then
         :meth:`_end_steady`, in as few frames as the usual step allows (after backward each costs 1-2 us). The
-        bookkeeping runs no op a casting wrapper could see, so casting stays as it is, unless the overflow
-        diagnoser or a trace could run one."""
+        bookkeeping runs no op a casting wrapper could see, so it runs without the quiet switch where nothing else
+        would notice its absence."""
         self.phase = self.DONE
         session, scaler = self.session, self.scaler
         observe, engine = session.observe, session.casting.engine
-        if (observe.diagnoser is not None or engine is not None and engine.tracer is not None or state.set_aside
-                or state.stepping):  # (set-aside grads come back through add_; a closure's overflow zeroes grads)
+        # The quiet path as before where it matters: set-aside grads come back through add_; a closure's overflow
+        # zeroes grads; the diagnoser and a trace run ops; a forward that raised inside the block left its native
+        # region open, and the quiet switch's enter and exit re-sync it.
+        if (observe.diagnoser is not None or state.set_aside or state.stepping
+                or engine is not None and (engine.tracer is not None or engine.fast is not None and engine.fast.depth)):
             _mark_open((state,), False, self.ident)
             self._end_steady()
             return

@@ -219,3 +219,48 @@ def test_a_random_program_leaves_the_same_state_on_the_steady_and_general_paths(
     general = _run(config, program)
     for i, (got, want) in enumerate(zip(steady, general)):
         assert got == want, f"after op {i} ({program[i]}) of {program}: the steady path left {got}, the general {want}"
+
+
+class _SetsNativeDtype(nn.Module):
+    """A forward that sets native autocast's dtype itself and may raise (leaving its native region open)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.fail = nn.Linear(4, 2), False
+
+    def forward(self, x):
+        torch.set_autocast_dtype("cpu", torch.float16)
+        if self.fail:
+            raise _Boom
+        return self.linear(x)
+
+
+def _region_left_open_in_a_block():
+    torch.manual_seed(0)
+    model = _SetsNativeDtype()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O1", half_dtype=torch.bfloat16,
+                                            verbosity=0)
+    seen = []
+    try:
+        for fail in (False, False, True):  # (the first block takes the general path: one-time checks)
+            with amp_patch.scale_loss(model(torch.randn(3, 4)).float().sum(), optimizer) as scaled:
+                scaled.backward()
+                model.fail = fail
+                with contextlib.suppress(_Boom):
+                    model(torch.randn(3, 4))
+            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+                         torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype))
+            optimizer.step()
+            optimizer.zero_grad()
+            model.fail = False
+    finally:
+        amp_patch.deinitialize()
+    return seen
+
+
+def test_a_native_region_a_raising_forward_left_open_in_the_block_is_synced_at_exit_as_on_the_general_path(
+        monkeypatch):
+    steady = _region_left_open_in_a_block()
+    _general_paths_only(monkeypatch)
+    assert steady == _region_left_open_in_a_block()

@@ -48,6 +48,7 @@ class CastingEngine:
         self.tracer = None
         self._dynamo_table = None  # dynamo's table as built before patching (see dynamo_tables)
         self._paused = set()  # threads inside an optimizer step
+        self._threads = threading.local()  # .seen: this thread began a forward (tells a reused ident from it)
         self.scopes = ScopeRuntime(table.scopes) if getattr(table, "scopes", ()) else None
         self.device_type = native_regions.engine_device_type()  # whose torch.autocast(enabled=False) regions count
         self.native_regions = {}  # thread ident -> open native autocast regions of device_type (native_regions)
@@ -190,9 +191,23 @@ class CastingEngine:
             return
         self.cache.entries.clear()
         ident = threading.get_ident()
-        self.forwards[ident] = self.forwards.get(ident, 0) + 1
+        depth = self.forwards.get(ident, 0)
+        if not depth:
+            self._threads.seen = True
+        elif not getattr(self._threads, "seen", False):  # a dead thread's forwards that raised, its ident reused
+            depth = self._forget_dead_thread(ident)
+        self.forwards[ident] = depth + 1
         if self.fast is not None:
             self.fast.open_eager(ident)
+
+    def _forget_dead_thread(self, ident):
+        """This thread reuses the ident of a thread that died inside a forward (it raised there and no scale_loss
+        of that thread forgot it): drop what that thread left, keyed by the ident, as a new thread has none."""
+        self.forwards.pop(ident, None)
+        if self.fast is not None:
+            self.fast.forget_dead_thread(ident)
+        self._threads.seen = True
+        return 0
 
     def end_forward(self):
         """A forward of a session's model returned: the outermost drops the casts (one that raised is forgotten

@@ -88,6 +88,14 @@ class FastRegions:
             if _decrement_nesting() <= 0:
                 _clear_native_cache()
 
+    def forget_dead_thread(self, ident):
+        """A dead thread's region under ``ident``, reused by this thread: its depth, saved state and switch go
+        without restoring anything (native state is per thread: the dead thread's went with it)."""
+        self.depth.pop(ident, None)
+        self.saved.pop(ident, None)
+        if ident not in self.engine.disabled:
+            self.bypass.pop(ident, None)
+
     def forget(self):
         """This thread's forwards are over (one that raised may have left its region open)."""
         ident = _get_ident()

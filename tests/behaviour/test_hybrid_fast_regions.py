@@ -97,3 +97,44 @@ def test_under_a_tracer_every_op_takes_the_python_path():
 def test_an_unknown_cast_engine_is_refused_naming_the_choices():
     with pytest.raises(ConfigError, match="cast_engine='native'.*'hybrid'.*'python'"):
         amp_patch.initialize(_Probe(), opt_level="O1", verbosity=0, cast_engine="native")
+
+
+@pytest.mark.parametrize("engine", ["hybrid", "python"])
+def test_a_thread_reusing_the_ident_of_one_that_died_inside_a_forward_casts_as_a_new_thread(engine):
+    """A worker thread whose forward raised and that then ended leaves its count under its ident (nothing of that
+    thread forgets it); a later thread that gets the same ident from the OS casts as any new thread does."""
+    model = amp_patch.initialize(_Probe(), opt_level="O1", half_dtype=torch.float16, verbosity=0,
+                                 cast_engine=engine)
+    dead, seen = set(), []
+
+    def dies():
+        dead.add(threading.get_ident())
+        model.fail = True
+        with pytest.raises(RuntimeError, match="boom"):
+            model(torch.randn(2, 4))
+
+    def runs():
+        model.seen.clear()
+        seen.append((threading.get_ident() in dead, model(torch.randn(2, 4)).dtype, list(model.seen),
+                     _native_on("cpu")))
+
+    try:
+        _in_thread(dies)
+        model.fail = False
+        for _ in range(50):  # (the OS reuses a finished thread's ident for a later thread: usually at once)
+            _in_thread(runs)
+            if seen[-1][0]:
+                break
+        else:
+            pytest.skip("no later thread got the dead thread's ident from the OS")
+    finally:
+        amp_patch.deinitialize()
+    native = engine == "hybrid"
+    assert seen[-1][1:] == (torch.float16, [(native, False, torch.float16 if native else torch.get_autocast_dtype(
+        "cpu"))], False)
+
+
+def _in_thread(fn):
+    thread = threading.Thread(target=fn)
+    thread.start()
+    thread.join()

@@ -7,11 +7,11 @@ import torch
 
 from .._torch import dist
 from ..errors import ConfigError, UsageError
-from ..observe.overflow import bad_grads, skip_cause
 from ..parallel import ddp as distributed
 from ..scaling.stages import DOOMED
 from . import state as _state
 from .master_sync import masters_out_of_sync
+from .step_outcome import apex_rules, finish_step
 
 _Tensor = torch.Tensor
 _get_ident = threading.get_ident
@@ -364,72 +364,3 @@ def _warn_if_masters_diverged(states):
                       "0's half params at construction, the masters kept this rank's values). Call "
                       "amp_patch.distributed.broadcast_master_params() once after wrapping the model in DDP, or "
                       "build identical weights on every rank.", RuntimeWarning, stacklevel=4)
-
-
-def apex_rules(session):
-    """The session was opened through Apex's API (``apex.amp`` / ``amp_patch.legacy.amp``): Apex's scaler
-    rules apply (docs/migration.md): every unscaling exit updates the loss's scaler."""
-    return session.props is not None and session.props.api == "apex"
-
-
-def _counts(session, scaler, states, found_inf):
-    """Whether this unscaling exit updates ``scaler``. amp_patch counts a step once per scaler (GradScaler's
-    rule): in a step already doomed by an overflow, only a scaler that has not backed off for it yet backs off
-    (a later loss's overflow backs off its own scaler); clean micro-batches after the overflow are not counted.
-    Under Apex's API every exit counts (Apex's ``update_scale`` per exit: one back-off per overflowing
-    micro-batch, the clean ones counted). Under DDP an exit in a doomed step counts nothing (both APIs): its check
-    saw the whole accumulation (OptimizerState.before_backward), so an earlier loss's inf would count again."""
-    for state in states:
-        if state.next_step is not DOOMED:
-            return True
-    if not states:
-        return True
-    if dist.world_size() > 1:
-        return False
-    if apex_rules(session):
-        return True
-    return found_inf and not any(state.undo_updates.get(scaler, 0) is None for state in states)
-
-
-def _mark_skipped(states, scaler):
-    """The coming step of each optimizer is skipped, doomed by ``scaler``'s overflow (unless already doomed)."""
-    for state in states:
-        state.doom(by=scaler)
-
-
-def _unscaled_apex(session, scaler):
-    """Apex's ``scale_loss`` returned early (no unscale, no scaler update: ``unskipped`` stays 0) for a static
-    scale of 1.0 without master weights. amp_patch still checks the grads and skips a step with inf/NaN ones
-    (Apex's step applied them): a deliberate difference (docs/migration.md)."""
-    props = session.props
-    return (apex_rules(session) and not scaler.dynamic and scaler.scale == 1.0
-            and not (props is not None and props.master_weights))
-
-
-def finish_step(session, scaler, loss_id, states, found_inf, loss=None):
-    if _unscaled_apex(session, scaler):
-        if found_inf:
-            _mark_skipped(states, scaler)
-        return
-    if not _counts(session, scaler, states, found_inf):
-        return
-    before, memento = scaler.scale, scaler.memento()
-    observe = session.observe
-    warming_up = found_inf and observe.history is not None and observe.history.warming_up(loss_id, scaler)
-    skip = scaler.update(found_inf)
-    for state in states:
-        state.note_update(scaler, memento, found_inf)
-    if skip:
-        _mark_skipped(states, scaler)
-    overflow = None
-    if observe.diagnoser is not None:
-        if found_inf:
-            overflow = observe.last_overflow = observe.diagnoser.record(loss_id, before, session.scaling.masters())
-        else:
-            observe.diagnoser.reset()
-    if observe.history is not None:
-        cause = (None, None)
-        if skip:
-            cause = skip_cause(loss, overflow, warming_up, before,
-                               lambda: bad_grads(session.models, session.scaling.masters()))
-        observe.history.add(loss_id, before, scaler.scale, skip, overflow, scaler, cause)

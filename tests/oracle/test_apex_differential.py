@@ -56,9 +56,10 @@ def test_random_programs_agree_bitwise_with_real_apex(real_apex_traces):
 def test_the_differential_sees_a_wrong_scaler_rule(real_apex_traces, monkeypatch):
     """Guard against a harness that cannot fail: with GradScaler's count-once rule (amp_patch's own API) in place
     of Apex's under the alias, some program with an overflow in a step of several micro-batches differs."""
-    from amp_patch.session import scale_loss as protocol
+    from amp_patch.session import scale_loss, step_outcome
 
-    monkeypatch.setattr(protocol, "apex_rules", lambda session: False)
+    for module in (scale_loss, step_outcome):
+        monkeypatch.setattr(module, "apex_rules", lambda session: False)
     seeds = [seed for seed in range(len(real_apex_traces))
              if not apex_programs.known_difference(apex_programs.draw(seed))
              and any(m["inf"] for s in apex_programs.draw(seed)["steps"] for m in s["micro"][:-1])]

@@ -21,7 +21,7 @@ def _grad(rng):
         values[rng.randrange(values.numel())] = rng.choice([float("inf"), float("-inf"), float("nan")])
     if kind == "sparse":
         index = torch.arange(values.numel()).unsqueeze(0)
-        return torch.sparse_coo_tensor(index, values, (values.numel() + 3,)).coalesce()
+        return torch.sparse_coo_tensor(index, values, (values.numel() + 3,), check_invariants=True).coalesce()
     if kind == "strided":
         return torch.stack([values, values]).t()[:, 0]  # a non-contiguous view
     if kind == "subclass":

@@ -266,20 +266,6 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
         self.last_skipped, self.stepping, self.snapshot = False, 1, None  # (_take_step of a READY step)
         return True
 
-    def _usual_post_step(self):
-        """:meth:`_post_step` of a step :meth:`_usual_pre_step` could have begun (outermost, not skipped, no closure
-        overflow, no snapshot, no masters), in one frame. True if it did the post-step."""
-        if (self.stepping != 1 or self.snapshot is not None or self.closure_overflow or self.masters is not None
-                or self.last_skipped):
-            return False
-        self.stepping, self.step_frame = 0, None
-        self.busy.pop(threading.get_ident(), None)
-        if self.undo_updates:
-            self.undo_updates.clear()
-        if self.engine is not None:
-            self.engine.resume_after_step()
-        return True
-
     def _drop_grads(self):
         for group in self.optimizer.param_groups:
             for p in group["params"]:
@@ -306,8 +292,6 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
         self.note_update(scaler, memento, found)
 
     def _post_step(self, optimizer, args, kwargs):
-        if self._usual_post_step():
-            return
         if self.stepping > 1:  # (an inner step() of a subclass's super().step(): the outermost one finishes)
             self.stepping -= 1
             return

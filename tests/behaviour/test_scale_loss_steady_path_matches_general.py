@@ -186,7 +186,6 @@ def _general_paths_only(monkeypatch):
     """Every usual-case shortcut off: the steady block, the usual step's hooks, the check-only unscale."""
     monkeypatch.setattr(scale_loss_module, "_steady_state", lambda *args: None)
     monkeypatch.setattr(optimizer_state.OptimizerState, "_usual_pre_step", lambda self, args, kwargs: False)
-    monkeypatch.setattr(optimizer_state.OptimizerState, "_usual_post_step", lambda self: False)
     monkeypatch.setattr(unscale, "_check_usual", lambda grads, device: unscale.unscale_collected_(grads, 1.0))
 
 

@@ -10,13 +10,19 @@ import warnings
 import torch
 
 _AVAILABLE = torch.distributed.is_available()  # (a property of the build: read once)
+_C10D = torch.distributed.distributed_c10d if _AVAILABLE else None
+# torch's is_initialized() is ``_world.default_pg is not None`` through two properties (three frames at every
+# scale_loss block); the attribute itself is read where this torch has it, the public call anywhere else.
+_READS_DEFAULT_PG = _AVAILABLE and "_default_pg" in getattr(getattr(_C10D, "_world", None), "__dict__", {})
 
 
 def world():
     """``torch.distributed`` when a process group of more than one rank is up, else None (every scale_loss block
     asks)."""
+    if not _AVAILABLE or _READS_DEFAULT_PG and _C10D._world._default_pg is None:
+        return None
     dist = torch.distributed
-    if _AVAILABLE and dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1:
         return dist
     return None
 

@@ -159,27 +159,22 @@ def unscale_(grads, scale):
 def unscale_usual_(grads, scale):
     """:func:`unscale_collected_` for a non-empty list of grads with no None, in one frame where it is the usual
     model's: distinct dense plain tensors of one device and dtype, small enough for the one fused kernel (every step
-    of the usual loop comes here: each Python frame more costs about a microsecond once backward has run)."""
+    of the usual loop comes here: each Python frame more costs about a microsecond once backward has run).
+
+    At a scale of 1.0 it is a check only: ``x * 1.0 == x``, so neither a grad listed twice nor a mix of dtypes needs
+    grouping; plain tensors of one device are all the one kernel call needs, and what it refuses (a sparse grad:
+    NotImplementedError; a non-strided one: RuntimeError) it may have checked in part without changing anything,
+    so the general path then checks every grad again."""
     device = grads[0].device
     if device.type in _NO_KERNEL:
         return unscale_collected_(grads, scale)
-    if scale == 1.0:
-        return _check_usual(grads, device)
-    if not _plain_alike(grads):
-        return unscale_collected_(grads, scale)
-    found = _found_flag(device)
-    try:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, _inverse(device, 1.0 / scale))
-    except NotImplementedError:  # (no kernel for this device type: the general path falls back and says so)
-        return unscale_collected_(grads, scale)
-    return bool(found.item())
-
-
-def _check_usual(grads, device):
-    """:func:`unscale_usual_` at a scale of 1.0: a check only. ``x * 1.0 == x``, so neither a grad listed twice nor
-    a mix of dtypes needs grouping; plain tensors of one device are all the one kernel call needs, and what it
-    refuses (a sparse grad: NotImplementedError; a non-strided one: RuntimeError) it may have checked in part
-    without changing anything, so the general path then checks every grad again."""
+    if scale != 1.0:
+        if not _plain_alike(grads):
+            return unscale_collected_(grads, scale)
+        try:
+            return _pooled_check(grads, device, 1.0 / scale)
+        except NotImplementedError:  # (no kernel for this device type: the general path falls back and says so)
+            return unscale_collected_(grads, scale)
     if device.type == "cpu":
         for grad in grads:
             if type(grad) is not _Tensor or not grad.is_cpu:
@@ -188,12 +183,32 @@ def _check_usual(grads, device):
         return unscale_collected_(grads, 1.0)
     if torch.get_num_threads() > 1 and _count(grads) > _READ_ONLY_MIN:
         return unscale_collected_(grads, 1.0)
-    found = _found_flag(device)
     try:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, _inverse(device, 1.0))
+        return _pooled_check(grads, device, 1.0)
     except (NotImplementedError, RuntimeError):
         return unscale_collected_(grads, 1.0)
-    return bool(found.item())
+
+
+_POOL = threading.local()  # device -> this thread's found-inf flag on it, in the pool only while it holds 0.0
+
+
+def _pooled_check(grads, device, inv_scale):
+    """The fused kernel over ``grads`` (one device) with a flag that needs no ``zero_()`` (a kernel launch): the
+    kernel only ever sets a flag, so one read as 0.0 goes back to the pool as it is, and one that saw inf/NaN, or
+    whose use raised anywhere, is never seen again. True if any grad was inf/NaN."""
+    pool = _POOL.__dict__
+    flag = pool.pop(device, None)
+    if flag is None:
+        with torch.inference_mode(False):  # (a flag made inside inference_mode could not be written outside it)
+            flag = torch.zeros(1, dtype=torch.float32, device=device)
+    inverse = _INVERSES.get((device, inv_scale))
+    if inverse is None:
+        inverse = _inverse(device, inv_scale)
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inverse)
+    if flag.item():
+        return True
+    pool[device] = flag
+    return False
 
 
 def unscale_collected_(grads, scale):

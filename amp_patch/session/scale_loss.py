@@ -14,6 +14,7 @@ from .master_sync import masters_out_of_sync
 from .step_outcome import apex_rules, finish_step
 
 _Tensor = torch.Tensor
+_fp32 = torch.float32
 _get_ident = threading.get_ident
 
 
@@ -110,16 +111,22 @@ class _Block(contextlib.ContextDecorator):
 
     def _enter_steady(self, session, loss, state, scaler):
         """:meth:`__enter__` where :func:`_steady_state` holds (what ``_begin`` would still do, in order)."""
-        if type(loss) is not _Tensor or not loss.requires_grad or loss.numel() != 1 or not loss.is_floating_point():
-            _check_loss(loss)  # (raises, unless a tensor subclass passes)
+        unusual = type(loss) is not _Tensor or not loss.requires_grad or loss.numel() != 1 or loss.dtype is not _fp32
+        if unusual:
+            _check_loss(loss)  # (raises, unless a tensor subclass or a half loss passes)
         engine = session.casting.engine
         if engine is not None:
             engine.loss_begins()
         state.open_block(scaler)
+        if unusual:  # (a plain fp32 loss is its own float(): the usual loss skips that call)
+            loss = loss.float()
         scale = scaler._scale
-        scaled, self.probe = (loss.float(), None) if scale == 1.0 else _scaled(loss, scale)  # (_scaled's usual case)
+        scaled, self.probe = (loss, None) if scale == 1.0 else _scaled(loss, scale)  # (_scaled's usual case)
         self.session, self.scaler = session, scaler
-        self._open((state,))
+        self.ident = ident = _get_ident()  # (_open's and _mark_open's, for the one state)
+        self.phase = self.OPEN
+        state.in_scale_loss = True
+        state.busy[ident] = "a scale_loss block"
         return scaled
 
     def _open(self, states):

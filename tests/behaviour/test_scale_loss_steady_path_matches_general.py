@@ -16,7 +16,7 @@ from torch import nn
 
 import amp_patch
 from amp_patch import legacy
-from amp_patch.scaling import optimizer_state, unscale
+from amp_patch.scaling import grad_protocol, optimizer_state, unscale
 from amp_patch.session import scale_loss as scale_loss_module
 
 CONFIGS = [  # (API, opt level, half dtype, loss scale[, initialize's other options])
@@ -32,7 +32,7 @@ CONFIGS = [  # (API, opt level, half dtype, loss scale[, initialize's other opti
 ]
 OPS = ["block", "block", "block", "block_inf", "block_raise", "block_listed", "block_loss1", "block_delayed",
        "block_nested", "zero", "zero_keep", "step", "step", "step_closure", "plain_backward",
-       "block_bad_grad", "block_no_grad", "block_float_raises"]
+       "block_bad_grad", "block_no_grad", "block_float_raises", "block_inf_first", "block_nan_last"]
 
 
 class _Boom(Exception):
@@ -104,6 +104,9 @@ def _apply(op, model, optimizer, x, y, scale_loss):
         kwargs = {"loss_id": 1} if op == "block_loss1" else {"delay_unscale": True} if op == "block_delayed" else {}
         with scale_loss(loss, [optimizer] if op == "block_listed" else optimizer, **kwargs) as scaled:
             scaled.backward()
+            if op in ("block_inf_first", "block_nan_last"):  # one element of one grad: each grad is checked
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                grads[0 if op == "block_inf_first" else -1].view(-1)[0] = float("inf" if op[6] == "i" else "nan")
             if op == "block_raise":
                 raise _Boom
             if op == "block_nested":  # (refused: the outer block is still open)
@@ -183,10 +186,10 @@ def _run(config, program):
 
 
 def _general_paths_only(monkeypatch):
-    """Every usual-case shortcut off: the steady block, the usual step's hooks, the check-only unscale."""
+    """Every usual-case shortcut off: the steady block, the usual step's hooks, the one-kernel unscale and check."""
     monkeypatch.setattr(scale_loss_module, "_steady_state", lambda *args: None)
     monkeypatch.setattr(optimizer_state.OptimizerState, "_usual_pre_step", lambda self, args, kwargs: False)
-    monkeypatch.setattr(unscale, "_check_usual", lambda grads, device: unscale.unscale_collected_(grads, 1.0))
+    monkeypatch.setattr(grad_protocol, "unscale_usual_", unscale.unscale_collected_)
 
 
 def _config_id(config):

@@ -13,7 +13,7 @@ def test_trace_does_not_list_amp_patchs_own_work_as_the_jobs_op(monkeypatch):
     """Whatever amp_patch runs as scale_loss exits (here: a patched torch.stack in its finiteness check) is not
     the job's op."""
     calls = []
-    for name in ("_any_nonfinite", "_unscale_groups", "_found_flag"):  # (every unscale path takes one)
+    for name in ("_any_nonfinite", "_unscale_groups", "_found_flag", "_pooled_check"):  # (every unscale path takes one)
         original = getattr(unscale, name)
 
         def spy(*args, original=original, **kwargs):

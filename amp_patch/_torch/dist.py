@@ -12,14 +12,19 @@ import torch
 _AVAILABLE = torch.distributed.is_available()  # (a property of the build: read once)
 _C10D = torch.distributed.distributed_c10d if _AVAILABLE else None
 # torch's is_initialized() is ``_world.default_pg is not None`` through two properties (three frames at every
-# scale_loss block); the attribute itself is read where this torch has it, the public call anywhere else.
-_READS_DEFAULT_PG = _AVAILABLE and "_default_pg" in getattr(getattr(_C10D, "_world", None), "__dict__", {})
+# scale_loss block): where ``_world`` is torch's own ``_World`` holding ``_default_pg``, None there is read directly;
+# anything else (torch's multi-threaded test group puts a ThreadLocalWorld there; a torch without the attribute)
+# goes through the public calls.
+_WORLD_TYPE = getattr(_C10D, "_World", None)
 
 
 def world():
     """``torch.distributed`` when a process group of more than one rank is up, else None (every scale_loss block
     asks)."""
-    if not _AVAILABLE or _READS_DEFAULT_PG and _C10D._world._default_pg is None:
+    if not _AVAILABLE:
+        return None
+    state = _C10D._world
+    if type(state) is _WORLD_TYPE and state.__dict__.get("_default_pg", _C10D) is None:
         return None
     dist = torch.distributed
     if dist.is_initialized() and dist.get_world_size() > 1:

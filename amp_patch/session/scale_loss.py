@@ -118,10 +118,11 @@ class _Block(contextlib.ContextDecorator):
         if engine is not None:
             engine.loss_begins()
         state.open_block(scaler)
-        if unusual:  # (a plain fp32 loss is its own float(): the usual loss skips that call)
-            loss = loss.float()
         scale = scaler._scale
-        scaled, self.probe = (loss, None) if scale == 1.0 else _scaled(loss, scale)  # (_scaled's usual case)
+        if scale != 1.0:  # (the probe watches the loss itself: a backward from it must reach the probe's hook)
+            scaled, self.probe = _scaled(loss, scale)
+        else:  # (_scaled's usual case; a plain fp32 loss is its own float(): the usual loss skips that call)
+            scaled, self.probe = loss.float() if unusual else loss, None
         self.session, self.scaler = session, scaler
         self.ident = ident = _get_ident()  # (_open's and _mark_open's, for the one state)
         self.phase = self.OPEN

@@ -32,7 +32,8 @@ CONFIGS = [  # (API, opt level, half dtype, loss scale[, initialize's other opti
 ]
 OPS = ["block", "block", "block", "block_inf", "block_raise", "block_listed", "block_loss1", "block_delayed",
        "block_nested", "zero", "zero_keep", "step", "step", "step_closure", "plain_backward",
-       "block_bad_grad", "block_no_grad", "block_float_raises", "block_inf_first", "block_nan_last"]
+       "block_bad_grad", "block_no_grad", "block_float_raises", "block_inf_first", "block_nan_last",
+       "block_half_loss", "block_loss_backward", "block_half_loss_backward"]
 
 
 class _Boom(Exception):
@@ -101,9 +102,12 @@ def _apply(op, model, optimizer, x, y, scale_loss):
         loss = _loss(model, x, y, inf=op == "block_inf")
         if op == "block_float_raises":  # the entry fails half-way: loss.float() raises
             loss = loss.as_subclass(_FloatRaises)
+        if op.startswith("block_half_loss"):  # a loss in a half dtype (or float64: not the plain fp32 loss)
+            loss = loss.to(torch.float16 if loss.dtype is torch.float32 else torch.float32)
         kwargs = {"loss_id": 1} if op == "block_loss1" else {"delay_unscale": True} if op == "block_delayed" else {}
         with scale_loss(loss, [optimizer] if op == "block_listed" else optimizer, **kwargs) as scaled:
-            scaled.backward()
+            # the loss itself backwarded inside the block: refused where the scale is not 1 (grads 1/scale small)
+            (loss if op.endswith("loss_backward") else scaled).backward()
             if op in ("block_inf_first", "block_nan_last"):  # one element of one grad: each grad is checked
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
                 grads[0 if op == "block_inf_first" else -1].view(-1)[0] = float("inf" if op[6] == "i" else "nan")

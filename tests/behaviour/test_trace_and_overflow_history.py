@@ -76,6 +76,32 @@ def test_nan_in_one_grad_names_exactly_that_param(level):
     assert amp_patch.last_step_skipped(opt)
 
 
+@pytest.mark.parametrize("diagnose", [False, True])
+def test_a_sparse_grad_with_inf_skips_the_step_and_is_named(diagnose):
+    """nn.Embedding(sparse=True): the skip's cause names the param from the sparse grad's stored values (naming it
+    raised NotImplementedError from isfinite on a sparse tensor, so the overflow crashed the step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(6, 3, sparse=True), torch.nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
+                                      diagnose_overflow=diagnose, verbosity=0)
+
+    def inf_in_first_value(grad):
+        grad = grad.coalesce()
+        values = grad._values().clone()
+        values.view(-1)[0] = float("inf")
+        return torch.sparse_coo_tensor(grad._indices(), values, grad.shape, check_invariants=True)
+
+    model[0].weight.register_hook(inf_in_first_value)
+    before = model[0].weight.detach().clone()
+    with amp_patch.scale_loss(model(torch.tensor([0, 2, 2, 5])).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert amp_patch.last_step_skipped(opt) and torch.equal(model[0].weight, before)
+    record = amp_patch.history()[-1]
+    assert record["cause_kind"] == "grads" and "0.weight" in record["cause"]
+
+
 def test_history_records_steps_in_a_bounded_ring():
     net = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)

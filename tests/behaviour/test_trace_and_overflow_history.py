@@ -76,23 +76,31 @@ def test_nan_in_one_grad_names_exactly_that_param(level):
     assert amp_patch.last_step_skipped(opt)
 
 
+def _inf_in(grad, kind):
+    """``grad`` with one inf, stored as ``kind``: each layout a param's grad can arrive in."""
+    if kind == "dense_transposed":  # (non-contiguous)
+        grad = grad.t().contiguous().t()
+        grad[0, 0] = float("inf")
+        return grad
+    grad = grad.coalesce()
+    indices, values = grad._indices(), grad._values().clone()
+    values.view(-1)[0] = float("inf")
+    if kind == "sparse_uncoalesced":  # every entry stored twice, halves summing to the grad
+        indices, values = torch.cat([indices, indices], 1), torch.cat([values / 2, values / 2])
+    return torch.sparse_coo_tensor(indices, values, grad.shape, check_invariants=True)
+
+
 @pytest.mark.parametrize("diagnose", [False, True])
-def test_a_sparse_grad_with_inf_skips_the_step_and_is_named(diagnose):
-    """nn.Embedding(sparse=True): the skip's cause names the param from the sparse grad's stored values (naming it
-    raised NotImplementedError from isfinite on a sparse tensor, so the overflow crashed the step)."""
+@pytest.mark.parametrize("kind", ["dense_transposed", "sparse", "sparse_uncoalesced"])
+def test_a_grad_with_inf_in_any_layout_skips_the_step_and_is_named(kind, diagnose):
+    """Whatever layout the grad arrives in (nn.Embedding(sparse=True) gives sparse ones), the skip's cause names the
+    param (naming a sparse grad's param raised NotImplementedError from isfinite, so the overflow crashed the step)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(6, 3, sparse=True), torch.nn.Linear(3, 1))
+    model = torch.nn.Sequential(torch.nn.Embedding(6, 3, sparse=kind != "dense_transposed"), torch.nn.Linear(3, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp_patch.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
                                       diagnose_overflow=diagnose, verbosity=0)
-
-    def inf_in_first_value(grad):
-        grad = grad.coalesce()
-        values = grad._values().clone()
-        values.view(-1)[0] = float("inf")
-        return torch.sparse_coo_tensor(grad._indices(), values, grad.shape, check_invariants=True)
-
-    model[0].weight.register_hook(inf_in_first_value)
+    model[0].weight.register_hook(lambda grad: _inf_in(grad, kind))
     before = model[0].weight.detach().clone()
     with amp_patch.scale_loss(model(torch.tensor([0, 2, 2, 5])).float().pow(2).mean(), opt) as scaled:
         scaled.backward()

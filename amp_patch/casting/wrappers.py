@@ -173,7 +173,7 @@ def _casting_wrapper(original, entry, ctx, cast):
 
     def wrapper(*args, **kwargs):
         if disabled and _get_ident() in disabled:
-            return original(*args, **kwargs)
+            return original(*args, **kwargs) if kwargs else original(*args)  # (no empty dict to merge: per call)
         if kwargs:
             if kwargs.get("out") is not None:  # torch.autocast registers no out= overload: it runs uncast
                 return original(*args, **kwargs)
@@ -209,7 +209,7 @@ def promote_wrapper(original, entry, ctx):
 
     def wrapper(*args, **kwargs):
         if disabled and _get_ident() in disabled:
-            return original(*args, **kwargs)
+            return original(*args, **kwargs) if kwargs else original(*args)  # (no empty dict to merge: per call)
         if len(args) == 2 and not kwargs:  # fast path: binary ops on two tensors of one dtype, or a scalar
             a, b = args
             dtype = getattr(b, "dtype", None)  # no exception raised and caught for a Python scalar
@@ -237,7 +237,7 @@ def sequence_promote_wrapper(original, entry, ctx):
 
     def wrapper(*args, **kwargs):
         if disabled and _get_ident() in disabled or kwargs.get("out") is not None:  # out=: as torch.autocast
-            return original(*args, **kwargs)
+            return original(*args, **kwargs) if kwargs else original(*args)
         if args:
             seq, rest = args[0], args[1:]
         else:
@@ -258,7 +258,7 @@ def inplace_wrapper(original, entry, ctx):
 
     def wrapper(self, *args, **kwargs):
         if disabled and _get_ident() in disabled or not isinstance(self, Tensor):
-            return original(self, *args, **kwargs)
+            return original(self, *args, **kwargs) if kwargs else original(self, *args)
         dt = self.dtype
         if forbid_half_self and dt in HALF_DTYPES:
             raise CastError(f"{entry.qualname} is in the float list ({entry.path}:{entry.line}) but self is {dt}: "

@@ -5,9 +5,11 @@ a hand-written O2 step.
 Usage: python benchmarks/bench_zoo_step.py [--rounds 3] [--steps 40] [--models bert-eager,llama-sdpa,...]
                                            [--dtype bfloat16|float16] [--clock thread|wall]
 
-Needs the test extras (``transformers``). Each round runs every variant of a model (order rotated) on a fresh build
-for ``--steps`` steps after 5 warm-up steps, AdamW, 1 thread; a figure is the median over rounds of each round's
-median step, and every ratio is taken in this run only.
+Needs the test extras (``transformers``). Each round builds each model once and runs every variant (order rotated)
+on that build and one AdamW for ``--steps`` steps after 5 warm-up steps, 1 thread (where tensors land in memory moves
+a step by up to 10-40% between builds, which per-variant builds turned into ratio noise; amp_patch is undone and hand
+O2's buffer casts put back after each variant); a step figure is the median over rounds of each round's median
+step, a ratio the median over rounds of that round's ratio (one build), every ratio taken in this run only.
 
 "hand O2" is the least an O2 step does, written inline with no amp_patch: the zoo's O2 reference (buffers cast once;
 each step every param outside batchnorm cast with ``p.to(half)`` into its module for the forward and the backward,
@@ -66,12 +68,12 @@ def _native_step(case, model, batch, dtype, optimizer):
     optimizer.step()
 
 
-def _steps(name, variant, args, clock):
-    case = zoo._build(name)
+def _steps(case, optimizer, variant, args, clock):
     model, dtype = case.model, args.dtype
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     found, inv = torch.zeros(1), torch.ones(1)
+    buffers = []
     if variant == "hand O2":
+        buffers = [(b, b.data) for b in model.buffers()]
         zoo._cast_buffers(model, dtype)
     elif variant != "native":
         model, optimizer = amp_patch.initialize(model, optimizer, opt_level=variant, half_dtype=dtype, verbosity=0)
@@ -92,7 +94,14 @@ def _steps(name, variant, args, clock):
     finally:
         if variant in ("O1", "O2"):
             amp_patch.deinitialize()
+        for buffer, data in buffers:
+            buffer.data = data
     return statistics.median(times) * 1e6
+
+
+def _ratio(runs, a, b):
+    """Each round's pair, on that round's build: the median over rounds of the ratio."""
+    return statistics.median(x / y for x, y in zip(runs[a], runs[b]))
 
 
 def main(argv=None):
@@ -113,14 +122,16 @@ def main(argv=None):
         runs = {v: [] for v in VARIANTS}
         try:
             for r in range(args.rounds):
+                case = zoo._build(name)
+                optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-4)
                 for variant in VARIANTS[r % 4:] + VARIANTS[:r % 4]:
-                    runs[variant].append(_steps(name, variant, args, clock))
+                    runs[variant].append(_steps(case, optimizer, variant, args, clock))
         except RuntimeError as exc:  # (CPU bf16 LSTM under native autocast: oneDNN has no primitive for it)
             print(f"| {name} | {variant} failed: {str(exc).splitlines()[0][:80]} | | | | |", flush=True)
             continue
-        m = {v: statistics.median(t) for v, t in runs.items()}
-        print(f"| {name} | {m['native']:.0f} | {m['O1'] / m['native']:.3f} | {m['O2'] / m['native']:.3f} | "
-              f"{m['hand O2'] / m['native']:.3f} | {m['O2'] / m['hand O2']:.3f} |", flush=True)
+        cells = [f"{_ratio(runs, a, b):.3f}" for a, b in (("O1", "native"), ("O2", "native"), ("hand O2", "native"),
+                                                            ("O2", "hand O2"))]
+        print(f"| {name} | {statistics.median(runs['native']):.0f} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

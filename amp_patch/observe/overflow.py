@@ -144,8 +144,8 @@ def bad_grads(models, masters):
         if grad is None:
             continue
         grad = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor (FSDP2): this rank's shard
-        if grad.layout is not torch.strided:  # a sparse grad (nn.Embedding(sparse=True)): its stored values
-            grad = grad._values() if grad.is_sparse else grad.values()
+        if grad.layout is not torch.strided:  # a sparse grad (nn.Embedding(sparse=True)): its values as the
+            grad = grad.coalesce()._values() if grad.is_sparse else grad.values()  # optimizer sums them
         finite = torch.isfinite(grad)
         bad = int((~finite).sum())
         if bad:

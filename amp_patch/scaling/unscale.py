@@ -153,7 +153,7 @@ def unscale_(grads, scale):
     grads = list(grads)
     for i, grad in enumerate(grads):
         _check_tensor(f"grads[{i}]", grad)
-    return _unscale_groups(_group([g for g in grads if g is not None]), float(scale))
+    return unscale_collected_(grads, scale)
 
 
 def unscale_usual_(grads, scale):
@@ -213,7 +213,19 @@ def _pooled_check(grads, device, inv_scale):
 
 def unscale_collected_(grads, scale):
     """:func:`unscale_` for grads amp_patch collected itself from ``param.grad`` (tensors or None): no type checks."""
-    return _unscale_groups(_group([g for g in grads if g is not None]), float(scale))
+    grads = [g for g in grads if g is not None]
+    return _unscale_groups(_group(grads), float(scale)) or _sums_overflow(grads)
+
+
+def _sums_overflow(grads):
+    """An uncoalesced sparse grad (an index looked up twice) holds finite values whose sums the optimizer's
+    ``coalesce()`` forms in the grad's dtype: in float16 two values of 4e4 are inf there. So its coalesced values
+    are checked too, after the unscale (as GradScaler coalesces float16 sparse grads before its check)."""
+    for grad in grads:
+        if grad.layout is torch.sparse_coo and not grad.is_coalesced():
+            if not bool(torch.isfinite(grad.coalesce()._values()).all()):
+                return True
+    return False
 
 
 def _check_out(grads, out):

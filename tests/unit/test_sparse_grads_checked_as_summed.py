@@ -1,0 +1,52 @@
+"""A sparse grad whose index repeats (an embedding row looked up twice) is summed by the optimizer's ``coalesce()`` in
+the grad's dtype: the check answers for the values the optimizer will read, so finite halves of an inf sum are an
+overflow (as GradScaler coalesces float16 sparse grads before its check)."""
+import random
+
+import pytest
+import torch
+
+import amp_patch
+from amp_patch.scaling import unscale
+
+
+def _uncoalesced(rng, dtype):
+    rows = rng.randint(1, 5)
+    index = torch.tensor([[rng.randrange(rows) for _ in range(rng.randint(1, 6))]])
+    values = torch.tensor([[rng.choice([1.0, 2e4, 3.5e4, 6e4, -6e4]) for _ in range(2)]
+                           for _ in range(index.shape[1])]).to(dtype)
+    if rng.random() < 0.1:
+        values[0, 0] = rng.choice([float("inf"), float("nan")])
+    return torch.sparse_coo_tensor(index, values, (rows, 2), check_invariants=True)
+
+
+def _optimizer_sees_non_finite(grad):
+    return not bool(torch.isfinite(grad.coalesce()._values()).all())
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_check_answers_for_the_summed_values(seed):
+    rng = random.Random(seed)
+    dtype = rng.choice([torch.float16, torch.bfloat16, torch.float32])
+    grads = [_uncoalesced(rng, dtype) for _ in range(rng.randint(1, 3))]
+    scale = rng.choice([1.0, 2.0])
+    found = unscale.unscale_([g for g in grads], scale)
+    assert found is any(_optimizer_sees_non_finite(g) or not bool(torch.isfinite(g._values()).all())
+                        for g in grads)
+
+
+@pytest.mark.parametrize("value, skipped", [(4e4, True), (2e4, False)])
+def test_o3_skips_the_step_whose_repeated_rows_sum_to_inf(value, skipped):
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(4, 2, sparse=True)
+    opt = torch.optim.SGD(embedding.parameters(), lr=1.0)
+    embedding, opt = amp_patch.initialize(embedding, opt, opt_level="O3", half_dtype=torch.float16, verbosity=0)
+    before = embedding.weight.detach().clone()
+    with amp_patch.scale_loss((embedding(torch.tensor([1, 1])).float() * value).sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert amp_patch.last_step_skipped(opt) is skipped
+    assert torch.isfinite(embedding.weight).all()
+    if skipped:
+        assert torch.equal(embedding.weight, before)
+        assert "weight" in amp_patch.history()[-1]["cause"]

@@ -171,10 +171,9 @@ def unscale_usual_(grads, scale):
     if scale != 1.0:
         if not _plain_alike(grads):
             return unscale_collected_(grads, scale)
-        try:
-            return _pooled_check(grads, device, 1.0 / scale)
-        except NotImplementedError:  # (no kernel for this device type: the general path falls back and says so)
-            return unscale_collected_(grads, scale)
+        found = _pooled_check(grads, device, 1.0 / scale, NotImplementedError)
+        # (None: no kernel for this device type; the general path falls back and says so)
+        return unscale_collected_(grads, scale) if found is None else found
     if device.type == "cpu":
         for grad in grads:
             if type(grad) is not _Tensor or not grad.is_cpu:
@@ -183,19 +182,18 @@ def unscale_usual_(grads, scale):
         return unscale_collected_(grads, 1.0)
     if torch.get_num_threads() > 1 and _count(grads) > _READ_ONLY_MIN:
         return unscale_collected_(grads, 1.0)
-    try:
-        return _pooled_check(grads, device, 1.0)
-    except (NotImplementedError, RuntimeError):
-        return unscale_collected_(grads, 1.0)
+    found = _pooled_check(grads, device, 1.0, (NotImplementedError, RuntimeError))
+    return unscale_collected_(grads, 1.0) if found is None else found
 
 
 _POOL = threading.local()  # device -> this thread's found-inf flag on it, in the pool only while it holds 0.0
 
 
-def _pooled_check(grads, device, inv_scale):
+def _pooled_check(grads, device, inv_scale, refused):
     """The fused kernel over ``grads`` (one device) with a flag that needs no ``zero_()`` (a kernel launch): the
     kernel only ever sets a flag, so one read as 0.0 goes back to the pool as it is, and one that saw inf/NaN, or
-    whose use raised anywhere, is never seen again. True if any grad was inf/NaN."""
+    whose use raised anywhere, is never seen again. True if any grad was inf/NaN; None if the kernel raised one of
+    ``refused`` (the caller's general path then checks every grad)."""
     pool = _POOL.__dict__
     flag = pool.pop(device, None)
     if flag is None:
@@ -204,7 +202,10 @@ def _pooled_check(grads, device, inv_scale):
     inverse = _INVERSES.get((device, inv_scale))
     if inverse is None:
         inverse = _inverse(device, inv_scale)
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inverse)
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inverse)
+    except refused:
+        return None
     if flag.item():
         return True
     pool[device] = flag

@@ -153,7 +153,7 @@ def unscale_(grads, scale):
     grads = list(grads)
     for i, grad in enumerate(grads):
         _check_tensor(f"grads[{i}]", grad)
-    return unscale_collected_(grads, scale)
+    return _unscale_groups(_group([g for g in grads if g is not None]), float(scale))
 
 
 def unscale_usual_(grads, scale):
@@ -213,7 +213,9 @@ def _pooled_check(grads, device, inv_scale, refused):
 
 
 def unscale_collected_(grads, scale):
-    """:func:`unscale_` for grads amp_patch collected itself from ``param.grad`` (tensors or None): no type checks."""
+    """:func:`unscale_` for grads amp_patch collected itself from ``param.grad`` (tensors or None), no type checks, as
+    the check before a step: also the sums an optimizer forms of a sparse grad (:func:`_sums_overflow`; not in
+    :func:`unscale_`, which rescales grads between two scales on their way, where those sums are not read yet)."""
     grads = [g for g in grads if g is not None]
     return _unscale_groups(_group(grads), float(scale)) or _sums_overflow(grads)
 

@@ -30,7 +30,7 @@ def test_the_check_answers_for_the_summed_values(seed):
     dtype = rng.choice([torch.float16, torch.bfloat16, torch.float32])
     grads = [_uncoalesced(rng, dtype) for _ in range(rng.randint(1, 3))]
     scale = rng.choice([1.0, 2.0])
-    found = unscale.unscale_([g for g in grads], scale)
+    found = unscale.unscale_collected_(grads, scale)  # (the check before a step)
     assert found is any(_optimizer_sees_non_finite(g) or not bool(torch.isfinite(g._values()).all())
                         for g in grads)
 

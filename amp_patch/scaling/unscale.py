@@ -221,11 +221,13 @@ def unscale_collected_(grads, scale):
 
 
 def _sums_overflow(grads):
-    """An uncoalesced sparse grad (an index looked up twice) holds finite values whose sums the optimizer's
-    ``coalesce()`` forms in the grad's dtype: in float16 two values of 4e4 are inf there. So its coalesced values
-    are checked too, after the unscale (as GradScaler coalesces float16 sparse grads before its check)."""
+    """An uncoalesced float16 sparse grad (an index looked up twice) holds finite values whose per-index sums, the
+    grad as a dense float16 grad would hold it and as ``coalesce()`` forms it (SparseAdam, Adagrad), can be inf: two
+    values of 4e4. So its coalesced values are checked too, after the unscale, as GradScaler coalesces float16 sparse
+    grads before its check. Other dtypes have fp32's range: their sums overflow only where fp32 sums would, and
+    coalescing a large embedding's grad every step costs more than its step."""
     for grad in grads:
-        if grad.layout is torch.sparse_coo and not grad.is_coalesced():
+        if grad.dtype is torch.float16 and grad.layout is torch.sparse_coo and not grad.is_coalesced():
             if not bool(torch.isfinite(grad.coalesce()._values()).all()):
                 return True
     return False

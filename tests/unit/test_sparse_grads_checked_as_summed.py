@@ -1,6 +1,7 @@
-"""A sparse grad whose index repeats (an embedding row looked up twice) is summed by the optimizer's ``coalesce()`` in
-the grad's dtype: the check answers for the values the optimizer will read, so finite halves of an inf sum are an
-overflow (as GradScaler coalesces float16 sparse grads before its check)."""
+"""A float16 sparse grad whose index repeats (an embedding row looked up twice) holds per-index sums, as a dense
+float16 grad would and as ``coalesce()`` forms them (SparseAdam, Adagrad), that can be inf: the check answers for
+them, so finite halves of an inf sum are an overflow (as GradScaler coalesces float16 sparse grads before its check).
+Other dtypes are not coalesced for the check (fp32's range; coalescing a large embedding's grad every step costs)."""
 import random
 
 import pytest
@@ -20,8 +21,8 @@ def _uncoalesced(rng, dtype):
     return torch.sparse_coo_tensor(index, values, (rows, 2), check_invariants=True)
 
 
-def _optimizer_sees_non_finite(grad):
-    return not bool(torch.isfinite(grad.coalesce()._values()).all())
+def _sums_non_finite(grad):
+    return grad.dtype is torch.float16 and not bool(torch.isfinite(grad.coalesce()._values()).all())
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -31,7 +32,7 @@ def test_the_check_answers_for_the_summed_values(seed):
     grads = [_uncoalesced(rng, dtype) for _ in range(rng.randint(1, 3))]
     scale = rng.choice([1.0, 2.0])
     found = unscale.unscale_collected_(grads, scale)  # (the check before a step)
-    assert found is any(_optimizer_sees_non_finite(g) or not bool(torch.isfinite(g._values()).all())
+    assert found is any(_sums_non_finite(g) or not bool(torch.isfinite(g._values()).all())
                         for g in grads)
 
 
@@ -39,7 +40,7 @@ def test_the_check_answers_for_the_summed_values(seed):
 def test_o3_skips_the_step_whose_repeated_rows_sum_to_inf(value, skipped):
     torch.manual_seed(0)
     embedding = torch.nn.Embedding(4, 2, sparse=True)
-    opt = torch.optim.SGD(embedding.parameters(), lr=1.0)
+    opt = torch.optim.SparseAdam(embedding.parameters(), lr=1.0)
     embedding, opt = amp_patch.initialize(embedding, opt, opt_level="O3", half_dtype=torch.float16, verbosity=0)
     before = embedding.weight.detach().clone()
     with amp_patch.scale_loss((embedding(torch.tensor([1, 1])).float() * value).sum(), opt) as scaled:
@@ -50,3 +51,10 @@ def test_o3_skips_the_step_whose_repeated_rows_sum_to_inf(value, skipped):
     if skipped:
         assert torch.equal(embedding.weight, before)
         assert "weight" in amp_patch.history()[-1]["cause"]
+
+
+def test_a_large_fp32_sparse_grad_is_not_coalesced_for_the_check(monkeypatch):
+    """fp32 (and bf16) sums overflow only where fp32's would: the check leaves their coalescing to the optimizer."""
+    grad = torch.sparse_coo_tensor(torch.tensor([[0, 0, 1]]), torch.ones(3, 4), (5, 4), check_invariants=True)
+    monkeypatch.setattr(torch.Tensor, "coalesce", lambda self: pytest.fail("coalesced for the check"))
+    assert unscale.unscale_collected_([grad, grad.bfloat16()], 1.0) is False

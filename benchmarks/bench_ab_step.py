@@ -25,15 +25,13 @@ import time
 def _child(variant, blocks, steps, dtype_name):
     import torch
     import torch.nn.functional as F
-    from torch import nn
+    from bench_small_step import _mlp  # (this script's folder is first on the path: the tree gives only amp_patch)
 
     import amp_patch
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
     dtype = getattr(torch, dtype_name)
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    model, x, y = _mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     medians = {"native": [], variant: []}
     for block in range(blocks):
@@ -98,11 +96,10 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     args = parser.parse_args(argv)
-    ratios = {args.tree_a: [], args.tree_b: []}
+    a, b = [], []  # (by position: the same tree given twice is an A/A run)
     for k in range(args.processes):
-        for tree in (args.tree_a, args.tree_b) if k % 2 == 0 else (args.tree_b, args.tree_a):
-            ratios[tree].append(_ratio(tree, args))
-    a, b = ratios[args.tree_a], ratios[args.tree_b]
+        for tree, into in ((args.tree_a, a), (args.tree_b, b))[::1 if k % 2 == 0 else -1]:
+            into.append(_ratio(tree, args))
     print(f"{args.variant} step / native step, {args.dtype}, {args.blocks} blocks x {args.steps} steps per process")
     print(f"A {args.tree_a}: {_summary(a)}")
     print(f"B {args.tree_b}: {_summary(b)}")

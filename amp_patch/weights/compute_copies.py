@@ -39,7 +39,7 @@ from torch.nn.modules import module as _module_mod
 from .._torch.hooks import FAST_PATH_TYPES
 from ..config.dtypes import FLOAT_DTYPES
 from ..errors import UsageError
-from . import reentry, thread_params
+from . import quiet_hooks, reentry, thread_params
 from .call_hooks import GlobalHook, Install, Restore, ThreadCall, TracedCall
 from .layouts import kept_fp32_ids
 from .write_back import renorms, write_back
@@ -71,6 +71,7 @@ class ComputeCopies:
         self.adopt = None  # adopt(module, name, buffer): a float buffer registered after initialize gets cast
         self.kept_ids = set()  # ids of the modules kept fp32 (their params and buffers are left as they are)
         self.handles = []
+        self.quieted = []  # inner owners given quiet hook dicts (quiet_hooks)
 
     def attach(self):
         self._collect()
@@ -102,8 +103,14 @@ class ComputeCopies:
         inside = {id(m) for layer in layers for m in layer.modules()}
         owners = {id(m): m for m, _ in self.slots if m is not self.model and id(m) not in inside}
         for module in owners.values():
-            self.handles.append(module.register_forward_pre_hook(Install(self), prepend=True))
-            self.handles.append(module.register_forward_hook(Restore(self), prepend=True, always_call=True))
+            quiet = quiet_hooks.quieten(module, self)
+            pre = module.register_forward_pre_hook(Install(self), prepend=True)
+            post = module.register_forward_hook(Restore(self), prepend=True, always_call=True)
+            self.handles += (pre, post)
+            if quiet is not None:
+                self.quieted.append(module)
+                for hooks in quiet:
+                    hooks.own.update((pre.id, post.id))
         self._hook_fast_path([layer for layer in layers if not any(
             layer is not other and any(m is layer for m in other.modules()) for other in layers)])
 
@@ -341,6 +348,8 @@ class ComputeCopies:
         while self.handles:
             self.handles[-1].remove()
             self.handles.pop()
+        while self.quieted:
+            quiet_hooks.restore(self.quieted.pop())
         self._drain()
         self.restore()
         for module in self.overlaid.values():

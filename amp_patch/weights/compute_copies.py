@@ -36,10 +36,11 @@ import types
 import torch
 from torch.nn.modules import module as _module_mod
 
+from .._torch import quiet_hooks
 from .._torch.hooks import FAST_PATH_TYPES
 from ..config.dtypes import FLOAT_DTYPES
 from ..errors import UsageError
-from . import quiet_hooks, reentry, thread_params
+from . import reentry, thread_params
 from .call_hooks import GlobalHook, Install, Restore, ThreadCall, TracedCall
 from .layouts import kept_fp32_ids
 from .write_back import renorms, write_back
@@ -103,7 +104,7 @@ class ComputeCopies:
         inside = {id(m) for layer in layers for m in layer.modules()}
         owners = {id(m): m for m, _ in self.slots if m is not self.model and id(m) not in inside}
         for module in owners.values():
-            quiet = quiet_hooks.quieten(module, self)
+            quiet = quiet_hooks.quieten(module, quiet_hooks.InsideOthersCall, self)
             pre = module.register_forward_pre_hook(Install(self), prepend=True)
             post = module.register_forward_hook(Restore(self), prepend=True, always_call=True)
             self.handles += (pre, post)

@@ -90,21 +90,13 @@ class WeightSlots:
 
     def __init__(self):
         self.slots = []
-        self.copies = None  # O2's ComputeCopies filling the slots, if any
-
-    def __getstate__(self):  # (a copy of the model has no compute copies: its check reads its slots)
-        return {**self.__dict__, "copies": None}
 
     def dtype(self, default):
         param = self.slots[0][0]._parameters.get(self.slots[0][1]) if self.slots else None
         return default if param is None else param.dtype
 
     def check(self, model, dtype):
-        """Refuse (naming the fix) a cast param whose dtype is no longer the model's: the forward would fail. (O2's
-        compute copies, untouched since the call started, are all of the model's dtype: nothing to read.)"""
-        copies = self.copies
-        if copies is not None and copies.untouched():
-            return
+        """Refuse (naming the fix) a cast param whose dtype is no longer the model's: the forward would fail."""
         for module, name in self.slots:  # (~0.2 us a param: 40 us a forward for 200 params on a slow CPU)
             param = module._parameters.get(name)
             if param is not None and param.dtype is not dtype:
@@ -333,7 +325,6 @@ class ModelPatch:
             watch.notes_buffers = True
             self.handles.append(copies)
             copies.attach()
-            self.like.copies = copies
         self.handles.append(forward_pre_hook(self.model, CastInputs(self.like, input_dtype, keep_types, watch, fp64),
                                              with_kwargs=True))
         self.cast_outputs(output_dtype, fp64)

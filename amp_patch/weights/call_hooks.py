@@ -85,8 +85,6 @@ class TracedCall:
         self.called = None
         self.frame = None
         self.swapped = []  # (module, its params dict, name, fp32 param, copy, the copy's version or None)
-        self.exact = False  # every slot got its copy into a thread overlay (ComputeCopies.untouched)
-        self.assigned = 0  # thread_params.assignments() when the copies went in
 
 
 class ThreadCall(threading.local):

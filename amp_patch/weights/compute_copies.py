@@ -202,14 +202,13 @@ class ComputeCopies:
         if state is self.traced:
             return self._swap_traced(state, slots)
         copies = {}  # id(param) -> its copy: a tied param is cast once
-        touched, exact = set(), called is None or called is self.model
+        touched = set()
         inference, dtype, swapped = torch.is_inference_mode_enabled(), self.dtype, state.swapped
         last, overlay = None, None  # (a module's slots are consecutive: its overlay is looked up once)
         for module, name in slots:
             params = module._parameters
             p = dict.get(params, name)
             if p is None or p.dtype is dtype or p.dtype not in FLOAT_DTYPES:
-                exact = exact and (p is None or p.dtype is dtype)
                 continue
             copy = copies.get(id(p))
             if copy is None:
@@ -221,21 +220,11 @@ class ComputeCopies:
                 overlay[name] = copy
             else:  # (a module added since the last collect, not yet overlaid: collected again next call)
                 params[name] = copy
-                exact = False
             swapped.append((module, params, name, p, copy, copy._version))
             if isinstance(module, _RNN):  # (its _flat_weights follow the swap)
                 touched.add(module)
         if touched:
             thread_params.refresh_flat_weights(touched)
-        state.exact, state.assigned = exact, thread_params.assignments()
-
-    def untouched(self):
-        """This thread's (eager) call of the model holds in every slot the copy its start put there, none assigned
-        since: each cast param reads as the half dtype (the input cast's dtype check has nothing to find)."""
-        if _compiling():
-            return False
-        state = self.call
-        return bool(state.depth) and state.exact and state.assigned == thread_params.assignments()
 
     def _swap_traced(self, state, slots):
         """Under dynamo: the copies go into the shared dicts (the compiled call is one thread's call)."""

@@ -17,17 +17,6 @@ import threading
 
 import torch
 
-_ASSIGNED = threading.local()  # .count: assignments this thread made over its copies (ComputeCopies.untouched)
-
-
-def assignments():
-    """How many times this thread assigned a slot holding one of its copies (a call's copies replaced)."""
-    return getattr(_ASSIGNED, "count", 0)
-
-
-def _assigned():
-    _ASSIGNED.count = getattr(_ASSIGNED, "count", 0) + 1
-
 
 class ThreadParams(dict):
     """``module._parameters`` of a module whose params O2 casts (see the module docstring)."""
@@ -77,21 +66,18 @@ class ThreadParams(dict):
         copies = getattr(self._local, "copies", None)
         if copies:
             copies.pop(name, None)
-            _assigned()
         dict.__setitem__(self, name, value)
 
     def __delitem__(self, name):
         copies = getattr(self._local, "copies", None)
         if copies:
             copies.pop(name, None)
-            _assigned()
         dict.__delitem__(self, name)
 
     def pop(self, name, *default):
         copies = getattr(self._local, "copies", None)
         if copies:
             copies.pop(name, None)
-            _assigned()
         return dict.pop(self, name, *default)
 
     def copy(self):

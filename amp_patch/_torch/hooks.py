@@ -151,33 +151,3 @@ def running(frame):
             return True
         caller = caller.f_back
     return False
-
-
-def call_through(model, begin, end):
-    """``begin()`` before and ``end()`` after each call of ``model`` (not after one that raised, as a forward
-    hook). A forward pre-hook and hook do it; where they are the model's only hooks its calls also go through a
-    :func:`~.quiet_hooks.call_through` function that does it itself, and the hooks read empty behind it (torch's fast
-    call path: a module with hooks takes the slow one; ``model.compile()``, replacing the call-through, turns the
-    hooks back on). Returns the undo."""
-    from . import quiet_hooks
-
-    plain = (not isinstance(model, FAST_PATH_TYPES) and model.__dict__.get("_compiled_call_impl") is None
-             and type(model)._wrapped_call_impl is _module_mod.Module._wrapped_call_impl)
-    through = quiet_hooks.call_through(model, begin, end) if plain else None
-    quiet = quiet_hooks.quieten(model, quiet_hooks.BehindCallThrough, through) if plain else None
-    handles = [forward_pre_hook(model, CallOnForward(begin)), forward_hook(model, CallOnForward(end))]
-    if quiet is not None:
-        for hooks in quiet:
-            hooks.own.update(handle.id for handle in handles)
-        model._compiled_call_impl = through
-
-    def undo():
-        for handle in reversed(handles):
-            handle.remove()
-        if quiet is not None:
-            through.live = False
-            if model.__dict__.get("_compiled_call_impl") is through:
-                model._compiled_call_impl = None
-            quiet_hooks.restore(model)
-
-    return undo

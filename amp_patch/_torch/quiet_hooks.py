@@ -1,19 +1,19 @@
-"""Hook dicts that read empty where amp_patch's hooks in them have nothing to do, so torch's fast call path runs.
+"""Hook dicts of O2's inner owners that read empty inside a call the model started, so torch's fast call path runs.
 
-A module with any forward hook takes torch's slow call path (``_call_impl``'s hook loops; about 6 us a call in a
-training step), even where the hooks return at once. amp_patch gives such a module, when both of its hook dicts
-hold nothing of the user's, a :class:`QuietHooks` subclass for each: a ``dict`` that reads false (``bool``, which
-``_call_impl`` tests) exactly where amp_patch's hooks in it would do nothing, and true otherwise (a hook of the
-user's added since, dynamo tracing, the session over: the hooks then run as plain dicts' would). Iterating,
-indexing and handles are the ``dict``'s. Copies and pickles of the module get plain dicts; :func:`restore` gives
-an emptied one back plain (one still holding a user's hook stays: its handle holds it; it reads as a plain dict,
-its session being over).
-
-* :class:`InsideOthersCall`: O2's inner owners (``weights.call_hooks``' pair): quiet while this thread's call in
-  progress was started by another module (the model's forward calling its layers).
-* :class:`BehindCallThrough`: a model whose calls go through a :func:`call_through` (``_compiled_call_impl``,
-  which torch's ``Module.__call__`` calls in place of ``_call_impl``): its hooks' work is done there; quiet while
-  it is in place (``model.compile()`` replaces it: the hooks run again).
+Every module owning cast params carries O2's :class:`~amp_patch.weights.call_hooks.Install` /
+:class:`~amp_patch.weights.call_hooks.Restore` pair for a call it may start itself (a submodule called on its own, a
+checkpointed layer). Inside a call the model started (its forward calling its layers) the pair has nothing to do,
+yet a module with any forward hook takes torch's slow call path (``_call_impl``'s hook loops; about 6 us a call in
+a training step). So an owner whose two hook dicts held nothing at initialize gets an :class:`InsideModelCall` for
+each: a ``dict`` that reads false (``bool``, which ``_call_impl`` tests) exactly while this thread's call in
+progress was started by the model itself and the dict holds only amp_patch's pair; true otherwise (no call in the
+thread, a call a module started on its own, dynamo tracing, a hook of the user's added, the session over), and
+torch's slow path runs the hooks as a plain dict's. The test does not depend on which module is being called: a
+dict shared with another module (``copy.copy`` of a layer, a library assigning one module's hook dicts to
+another) reads the same for both. Iterating, indexing, ``copy()``, ``|`` and handles are a plain ``OrderedDict``'s;
+copies and pickles of the module get plain dicts. :func:`restore` gives an emptied dict back plain; one still
+holding a user's hook stays (its handle holds it) and drops its references to the session, reading as a plain
+dict from then on.
 """
 from collections import OrderedDict
 
@@ -23,12 +23,34 @@ _compiling = torch.compiler.is_compiling
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 
 
-class QuietHooks(OrderedDict):
-    """A forward hook dict that reads empty where amp_patch's hooks in it (``own``: their ids) have nothing to do."""
+class InsideModelCall(OrderedDict):
+    """``_forward_pre_hooks`` / ``_forward_hooks`` of an O2 inner owner; ``owner`` is the model's
+    :class:`~amp_patch.weights.compute_copies.ComputeCopies`, ``own`` the ids of its hooks here."""
 
-    def __init__(self, owner, module):
+    def __init__(self, owner):
         super().__init__()
-        self.owner, self.module, self.own = owner, module, set()
+        self.owner, self.own = owner, set()
+
+    def __bool__(self):
+        if not len(self):
+            return False
+        owner = self.owner
+        if owner is not None and owner.live and len(self) <= len(self.own):
+            call = owner.call
+            if call.depth and call.called is owner.model and not _compiling() and self.keys() <= self.own:
+                return False
+        return True
+
+    def copy(self):
+        return OrderedDict(self)
+
+    def __or__(self, other):
+        return OrderedDict(self) | other
+
+    def __ror__(self, other):
+        merged = OrderedDict(other)
+        merged.update(self)
+        return merged
 
     def __reduce__(self):  # (pickles and copies of the model get torch's plain dicts)
         return OrderedDict, (list(self.items()),)
@@ -38,67 +60,26 @@ class QuietHooks(OrderedDict):
         return OrderedDict((key, copy.deepcopy(hook, memo)) for key, hook in self.items())
 
 
-class InsideOthersCall(QuietHooks):
-    """O2's inner owner: ``owner`` is its :class:`~amp_patch.weights.compute_copies.ComputeCopies`."""
-
-    def __bool__(self):
-        if not len(self):
-            return False
-        owner = self.owner
-        if owner.live and len(self) <= len(self.own):
-            call = owner.call
-            if call.depth and call.called is not self.module and not _compiling() and self.keys() <= self.own:
-                return False
-        return True
-
-
-class BehindCallThrough(QuietHooks):
-    """A model called through ``owner`` (a :func:`call_through` function)."""
-
-    def __bool__(self):
-        if not len(self):
-            return False
-        owner = self.owner
-        if owner.live and len(self) <= len(self.own) and self.module.__dict__.get("_compiled_call_impl") is owner \
-                and not _compiling() and self.keys() <= self.own:
-            return False
-        return True
-
-
-def call_through(module, begin, end):
-    """A function for ``module._compiled_call_impl``: ``begin()``, torch's ``_call_impl`` (the module's hooks and
-    forward), then ``end()`` (not when the call raises, as a forward hook). Its ``live`` attribute says whether
-    its session is open. A plain function: copies and pickles of the module drop it (torch's
-    ``Module.__getstate__`` leaves ``_compiled_call_impl`` out), and ``torch.jit.script`` passes over it (to the
-    hooks, which refuse it naming the fix)."""
-    call_impl = type(module)._call_impl
-
-    def through(*args, **kwargs):
-        begin()
-        output = call_impl(module, *args, **kwargs)
-        end()
-        return output
-
-    through.live = True
-    return through
-
-
-def quieten(module, kind, owner):
-    """Give ``module`` quiet hook dicts of ``kind`` if both are empty plain dicts (a user's hook registered before
-    keeps the plain dicts: its handle holds them). Returns the dicts (note amp_patch's hook ids in ``own``) or None."""
+def quieten(module, owner):
+    """Give ``module`` quiet hook dicts if both are empty plain dicts (a user's hook registered before keeps the
+    plain dicts: its handle holds them). Returns the two dicts (note amp_patch's hook ids in ``own``) or None."""
     if any(type(getattr(module, name)) is not OrderedDict or getattr(module, name) for name in _HOOK_DICTS):
         return None
     dicts = []
     for name in _HOOK_DICTS:
-        quiet = kind(owner, module)
+        quiet = InsideModelCall(owner)
         object.__setattr__(module, name, quiet)
         dicts.append(quiet)
     return dicts
 
 
 def restore(module):
-    """An emptied quiet dict goes back to a plain one; one still holding a user's hook stays (its handle holds it)."""
+    """The session is over: an emptied quiet dict goes back to a plain one; one still holding a user's hook stays
+    (its handle holds it) and lets the session go."""
     for name in _HOOK_DICTS:
         hooks = module.__dict__.get(name)
-        if isinstance(hooks, QuietHooks) and not len(hooks):
-            object.__setattr__(module, name, OrderedDict())
+        if isinstance(hooks, InsideModelCall):
+            if len(hooks):
+                hooks.owner = None
+            else:
+                object.__setattr__(module, name, OrderedDict())

@@ -104,7 +104,7 @@ class ComputeCopies:
         inside = {id(m) for layer in layers for m in layer.modules()}
         owners = {id(m): m for m, _ in self.slots if m is not self.model and id(m) not in inside}
         for module in owners.values():
-            quiet = quiet_hooks.quieten(module, quiet_hooks.InsideOthersCall, self)
+            quiet = quiet_hooks.quieten(module, self)
             pre = module.register_forward_pre_hook(Install(self), prepend=True)
             post = module.register_forward_hook(Restore(self), prepend=True, always_call=True)
             self.handles += (pre, post)

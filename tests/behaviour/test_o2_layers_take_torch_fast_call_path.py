@@ -1,10 +1,11 @@
 """Inside a call of an O2 model, its layers take torch's fast call path (no hook runs), as with no amp_patch.
 
-Every module owning cast params carries O2's hook pair for a call it may start itself; inside the model's call
-the pair has nothing to do, so its hook dicts read empty there (``weights.quiet_hooks``). What must not change:
-a layer called on its own still starts its own call (copies for its params), a user's hook on a layer runs
-inside the model's call whenever it was registered, handles remove what they registered before and after
-deinitialize, deinitialize gives plain dicts back, copies and pickles of the model hold plain dicts.
+Every module owning cast params carries O2's hook pair for a call it may start itself; inside a call the model
+started the pair has nothing to do, so its hook dicts read empty there (``_torch.quiet_hooks``). What must not
+change: a layer called on its own (or in another thread, or a copy of it, or a layer given another's hook dicts)
+starts and ends its own call, a user's hook on a layer runs inside the model's call whenever it was registered,
+handles remove what they registered before and after deinitialize, deinitialize gives plain dicts back and lets
+the session go, copies and pickles of the model hold plain dicts, the dicts copy and merge as plain dicts.
 """
 import copy
 import pickle
@@ -148,3 +149,45 @@ def test_a_layer_called_in_another_thread_during_the_models_call_starts_its_own_
     model(torch.randn(2, 8))
     thread.join()
     assert seen == [HALF]
+
+
+def test_a_shallow_copy_of_a_layer_called_on_its_own_ends_its_call(session):
+    model, _ = session
+    head = copy.copy(model[2])  # (shares the layer's hook dicts)
+    x = torch.randn(2, 8, dtype=HALF)
+    head(x.float())  # (its slots are the layer's, not its own: it runs on what it holds, as before)
+    assert model[2].weight.dtype == torch.float32  # no call left open
+    assert model[2](x).dtype == HALF
+    assert model(torch.randn(2, 8)).dtype == torch.float32
+
+
+def test_a_layer_given_another_layers_hook_dicts_ends_its_own_call(session):
+    model, _ = session
+    for name in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called"):
+        setattr(model[2], name, getattr(model[0], name))  # (transformers does this for tied embeddings)
+    with torch.no_grad():
+        assert model[2](torch.randn(2, 8, dtype=HALF)).dtype == HALF
+    assert model[2].weight.dtype == torch.float32
+    assert model(torch.randn(2, 8)).dtype == torch.float32
+
+
+def test_the_dicts_copy_and_merge_as_plain_dicts(session):
+    model, _ = session
+    hooks = model[0]._forward_hooks
+    assert type(hooks.copy()) is OrderedDict and hooks.copy() == OrderedDict(hooks)
+    assert type(hooks | {}) is OrderedDict and dict(hooks | {}) == dict(hooks)
+    assert dict({} | hooks) == dict(hooks) and dict(OrderedDict() | hooks) == dict(hooks)
+
+
+def test_a_users_hook_left_on_a_layer_does_not_keep_the_session_alive():
+    import gc
+    import weakref
+
+    from amp_patch.weights.compute_copies import ComputeCopies
+
+    model, _ = _o2(_model())
+    model[0].register_forward_hook(lambda m, args, out: None)
+    amp_patch.deinitialize()
+    gc.collect()
+    assert not [obj for obj in gc.get_objects() if type(obj) is ComputeCopies]
+    assert weakref.ref(model)() is model

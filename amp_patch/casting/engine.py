@@ -210,8 +210,9 @@ class CastingEngine:
         return 0
 
     def end_forward(self):
-        """A forward of a session's model returned: the outermost drops the casts (one that raised is forgotten
-        at the thread's next scale_loss: ``forget_forwards``)."""
+        """A forward of a session's model returned or raised (torch's always-called hook): the outermost drops the
+        casts. (One cut off by a ``BaseException``, Ctrl-C, runs no hook: it is forgotten at the thread's next
+        scale_loss, ``forget_forwards``.)"""
         if _compiling():
             return
         ident = threading.get_ident()

@@ -329,7 +329,7 @@ def _guard_step_pause(session, models):
     resume, begin_forward, end_forward = engine.resume_after_step, engine.begin_forward, engine.end_forward
     for model in models:  # (begin_forward also drops the cast cache: see casting.wrappers.CastCache)
         session.undo.append(hooks.forward_pre_hook(model, hooks.CallOnForward(begin_forward)).remove)
-        session.undo.append(hooks.forward_hook(model, hooks.CallOnForward(end_forward)).remove)
+        session.undo.append(hooks.forward_hook(model, hooks.CallOnForward(end_forward), always_call=True).remove)
     patcher = Patcher()
     session.undo.append(patcher.restore_all)
 

@@ -47,12 +47,13 @@ def test_the_python_engine_never_turns_native_autocast_on():
     assert active_engine().fast is None
 
 
-def test_a_forward_that_raised_leaves_native_autocast_on_until_the_next_scale_loss():
+def test_a_forward_that_raised_turns_native_autocast_off():
     model = _Probe(fail=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp_patch.initialize(model, opt, opt_level="O1", verbosity=0)
     with pytest.raises(RuntimeError, match="boom"):
         model(torch.randn(2, 4))
+    assert not _native_on("cpu")
     model.fail = False
     loss = model(torch.randn(2, 4)).float().sum()
     with amp_patch.scale_loss(loss, opt) as scaled:

@@ -10,6 +10,7 @@ import threading
 import torch
 
 from .._torch import dynamo_tables
+from .._torch.hooks import module_call_frame, running
 from ..patching.patcher import Patcher
 from ..patching.resolve import resolve_target
 from .cache import CastCache, make_to_half
@@ -40,6 +41,7 @@ class CastingEngine:
         self.allow_banned = allow_banned
         self.registrations = tuple(registrations)
         self.forwards = {}  # thread ident -> depth of session-model forwards open there (deinitialize checks it)
+        self.outer_calls = {}  # thread ident -> the frame of torch's call running its outermost forward (or None)
         self.cache = CastCache(self.forwards)  # (used only in those forwards and autocast() regions)
         self.disabled = DisabledThreads()
         self._casts_off = _CastsOff(self.disabled)  # (holds no state of a use: one serves every use, nested too)
@@ -192,18 +194,32 @@ class CastingEngine:
         self.cache.entries.clear()
         ident = threading.get_ident()
         depth = self.forwards.get(ident, 0)
+        if depth:
+            depth = self._nested_depth(ident, depth)
         if not depth:
             self._threads.seen = True
-        elif not getattr(self._threads, "seen", False):  # a dead thread's forwards that raised, its ident reused
-            depth = self._forget_dead_thread(ident)
+            self.outer_calls[ident] = module_call_frame(2)  # (torch's call: hook -> CallOnForward -> here)
         self.forwards[ident] = depth + 1
         if self.fast is not None:
             self.fast.open_eager(ident)
+
+    def _nested_depth(self, ident, depth):
+        """The depth a forward starting inside another one finds: 0 where that one is no longer running, cut off by
+        a ``BaseException`` (Ctrl-C runs no always-called hook: left open, native's cache would keep the weights'
+        casts across checkpoints an eval loop loads) or left by a dead thread whose ident this one reuses."""
+        if not getattr(self._threads, "seen", False):
+            return self._forget_dead_thread(ident)
+        frame = self.outer_calls.get(ident)
+        if frame is not None and not running(frame):
+            self.forget_forwards()
+            return 0
+        return depth
 
     def _forget_dead_thread(self, ident):
         """This thread reuses the ident of a thread that died inside a forward (it raised there and no scale_loss
         of that thread forgot it): drop what that thread left, keyed by the ident, as a new thread has none."""
         self.forwards.pop(ident, None)
+        self.outer_calls.pop(ident, None)
         if self.fast is not None:
             self.fast.forget_dead_thread(ident)
         self._threads.seen = True
@@ -223,11 +239,13 @@ class CastingEngine:
             self.forwards[ident] = depth
         else:
             self.forwards.pop(ident, None)
+            self.outer_calls.pop(ident, None)
             if ident not in self.cache.regions:  # the region is over: keep no casts (and no weights) alive
                 self.cache.entries.clear()
 
     def forget_forwards(self):
         self.forwards.pop(threading.get_ident(), None)
+        self.outer_calls.pop(threading.get_ident(), None)
         if self.fast is not None:
             self.fast.forget()
 
@@ -242,6 +260,7 @@ class CastingEngine:
         forwards = self.forwards
         if forwards:
             forwards.pop(ident, None)
+            self.outer_calls.pop(ident, None)
         fast = self.fast
         if fast is not None and fast.depth:
             fast.forget()

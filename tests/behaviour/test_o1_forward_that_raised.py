@@ -1,7 +1,8 @@
 """A forward of an O1 model that raised ends its casting region then and there (torch's always-called forward
-hook), as one that returned: the cast caches it held go with it. Left open until the next ``scale_loss`` (an eval
-loop has none), native autocast's cache kept the first weights' casts, and later forwards silently computed with
-them: an eval sweep over checkpoints gave the first checkpoint's outputs for every checkpoint."""
+hook), as one that returned: the cast caches it held go with it; one cut off by a ``BaseException`` (Ctrl-C in a
+notebook: no always-called hook runs) is found gone at the next forward. Left open until the next ``scale_loss``
+(an eval loop has none), native autocast's cache kept the first weights' casts, and later forwards silently
+computed with them: an eval sweep over checkpoints gave the first checkpoint's outputs for every checkpoint."""
 import pytest
 import torch
 import torch.nn as nn
@@ -11,14 +12,24 @@ import amp_patch
 _native_on = torch._C.is_autocast_enabled
 
 
+class _Interruptible(nn.Module):
+    armed = False
+
+    def forward(self, x):
+        if self.armed:
+            raise KeyboardInterrupt
+        return x
+
+
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), _Interruptible(), nn.Linear(8, 2))
 
 
 @pytest.mark.parametrize("engine", ["hybrid", "python"])
 @pytest.mark.parametrize("grad", [True, False])
-def test_an_eval_sweep_after_a_forward_that_raised_sees_each_checkpoint(engine, grad):
+@pytest.mark.parametrize("cut", [RuntimeError, KeyboardInterrupt])
+def test_an_eval_sweep_after_a_forward_that_raised_sees_each_checkpoint(engine, grad, cut):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp_patch.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0,
@@ -26,9 +37,12 @@ def test_an_eval_sweep_after_a_forward_that_raised_sees_each_checkpoint(engine, 
     try:
         first = {k: v.clone() for k, v in model.state_dict().items()}
         second = {k: v * 2 + 1 for k, v in first.items()}
-        with pytest.raises(RuntimeError):
-            model(torch.randn(2, 5))  # a bad batch
-        assert not _native_on("cpu")
+        model[2].armed = cut is KeyboardInterrupt
+        with pytest.raises(cut):
+            model(torch.randn(2, 5 if cut is RuntimeError else 4))  # a bad batch, or Ctrl-C
+        model[2].armed = False
+        if cut is RuntimeError:
+            assert not _native_on("cpu")
         x = torch.randn(3, 4)
         got = []
         for state in (first, second, first):

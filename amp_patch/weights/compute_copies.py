@@ -37,7 +37,7 @@ import torch
 from torch.nn.modules import module as _module_mod
 
 from .._torch import quiet_hooks
-from .._torch.hooks import FAST_PATH_TYPES
+from .._torch.hooks import FAST_PATH_TYPES, running
 from ..config.dtypes import FLOAT_DTYPES
 from ..errors import UsageError
 from . import reentry, thread_params
@@ -130,7 +130,7 @@ class ComputeCopies:
         if not torch.compiler.is_compiling():
             self.members = {id(m) for m in self.model.modules()}
             for module, _ in slots:
-                if thread_params.install(module):
+                if thread_params.install(module, self):
                     self.overlaid[id(module)] = module
             self._adopt_buffers()
         self.generation = self.watch.generation
@@ -263,11 +263,16 @@ class ComputeCopies:
             return reentry.resumed_in_call(self, called, kept, output)
         return None
 
+    def cut_off(self):
+        """Whether this thread's call in progress no longer runs (Ctrl-C skips torch's always-called hooks)."""
+        call = self.call
+        return bool(call.depth) and call.frame is not None and not _compiling() and not running(call.frame)
+
     def drop_stale(self):
         """This thread's call was cut off (a ``KeyboardInterrupt`` skips torch's always-called hooks): its copies
-        go, so the call starting now (and the optimizer after it) sees the fp32 params again."""
+        go, so the call starting now, the optimizer and a ``state_dict()`` see the fp32 params again."""
         log.warning("amp_patch: a call of the O2 %s in this thread never ended (interrupted?); its half compute copies "
-                    "are dropped before the next call", type(self.model).__name__)
+                    "are dropped", type(self.model).__name__)
         self._put_back(self.call)
         self.call.depth, self.call.frame = 0, None
         self.count_call(0)

@@ -21,11 +21,12 @@ import torch
 class ThreadParams(dict):
     """``module._parameters`` of a module whose params O2 casts (see the module docstring)."""
 
-    __slots__ = ("_local",)
+    __slots__ = ("_local", "_owner")
 
-    def __init__(self, params):
+    def __init__(self, params, owner=None):
         super().__init__(params)
         self._local = threading.local()
+        self._owner = owner  # the ComputeCopies whose calls fill the overlay (items() asks it for a cut-off call)
 
     def overlay(self):
         """This thread's ``{name: copy}`` (created empty)."""
@@ -54,8 +55,15 @@ class ThreadParams(dict):
         return dict.get(self, name, default)
 
     def items(self):
+        """(Read by ``state_dict()``, ``parameters()``, ``load_state_dict``.) A call of this thread cut off by
+        Ctrl-C (no always-called hook ran) left its copies here: they go first, so a checkpoint saved after the
+        interrupt holds the fp32 params, not their half copies."""
         copies = getattr(self._local, "copies", None)
         if not copies:
+            return dict.items(self)
+        owner = getattr(self, "_owner", None)
+        if owner is not None and owner.cut_off():
+            owner.drop_stale()
             return dict.items(self)
         return [(name, copies.get(name, value)) for name, value in dict.items(self)]
 
@@ -91,12 +99,12 @@ class ThreadParams(dict):
         return {name: copy.deepcopy(value, memo) for name, value in dict.items(self)}
 
 
-def install(module):
+def install(module, owner=None):
     """Give ``module`` a :class:`ThreadParams` (if it has not one); returns True if it got one now."""
     params = module.__dict__.get("_parameters")
     if params is None or isinstance(params, ThreadParams):
         return False
-    module.__dict__["_parameters"] = ThreadParams(params)
+    module.__dict__["_parameters"] = ThreadParams(params, owner)
     return True
 
 

@@ -176,3 +176,15 @@ def compute_dtypes(model, *args, **kwargs):
     finally:
         handle.remove()
     return seen
+
+
+class Interruptible(torch.nn.Module):
+    """A pass-through layer that raises ``KeyboardInterrupt`` (Ctrl-C: a ``BaseException``, after which torch runs no
+    always-called hook) while ``armed``."""
+
+    armed = False
+
+    def forward(self, x):
+        if self.armed:
+            raise KeyboardInterrupt
+        return x

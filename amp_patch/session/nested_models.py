@@ -16,11 +16,13 @@ whatever the order. Two call shapes:
   (docs/migration.md).
 
 :func:`install` tracks, per thread, which outer models are inside a forward (a forward pre-hook, and a forward hook
-torch calls even when the forward raises) and gives the inner models' ``CastOutputs`` hooks that predicate.
+torch calls even when the forward raises) and gives the inner models' ``CastOutputs`` hooks that predicate. A
+forward cut off by Ctrl-C (a ``BaseException``: torch runs no hook after it) is found gone by its call's frame, no
+longer running: it leaves the inner's output cast on, not off for the rest of the session.
 """
 import threading
 
-from .._torch.hooks import SessionHook
+from .._torch.hooks import SessionHook, module_call_frame, running
 
 
 def nested_pairs(models):
@@ -33,7 +35,8 @@ def nested_pairs(models):
 
 
 class _OuterForwards(threading.local):
-    """Per thread: how many forwards of each outer model (by id) are open."""
+    """Per thread: the open forwards of each outer model (by id), as the frames of torch's calls running them (None
+    where torch's call is not the known one: taken as running)."""
 
     def __init__(self):
         self.open = {}
@@ -44,7 +47,7 @@ class _Enter(SessionHook):
         self.forwards = forwards
 
     def __call__(self, module, args):
-        self.forwards.open[id(module)] = self.forwards.open.get(id(module), 0) + 1
+        self.forwards.open.setdefault(id(module), []).append(module_call_frame(1))
 
 
 class _Leave(SessionHook):
@@ -52,10 +55,10 @@ class _Leave(SessionHook):
         self.forwards = forwards
 
     def __call__(self, module, args, output):
-        depth = self.forwards.open.get(id(module), 0) - 1
-        if depth > 0:
-            self.forwards.open[id(module)] = depth
-        else:
+        frames = self.forwards.open.get(id(module))
+        if frames:
+            frames.pop()  # (this call's: calls nest in a thread; cut-off ones below it go when found)
+        if not frames:
             self.forwards.open.pop(id(module), None)
 
 
@@ -67,7 +70,18 @@ class InsideOuter(SessionHook):
         self.forwards, self.outer_ids = forwards, outer_ids
 
     def __call__(self):
-        return any(i in self.forwards.open for i in self.outer_ids)
+        open_ = self.forwards.open
+        return any(_running_call(open_, i) for i in self.outer_ids if i in open_)
+
+
+def _running_call(open_, outer_id):
+    """Whether a forward of the outer model is running in this thread, dropping the cut-off ones found on top."""
+    frames = open_[outer_id]
+    while frames and frames[-1] is not None and not running(frames[-1]):
+        frames.pop()
+    if not frames:
+        del open_[outer_id]
+    return bool(frames)
 
 
 def install(session, models):

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from tests_support import Interruptible
 
 import amp_patch
 from amp_patch.legacy import amp as apex_amp
@@ -137,6 +138,30 @@ def test_the_inner_model_s_outputs_follow_its_own_casts_only_outside_the_outer_f
     with pytest.raises(RuntimeError):
         model(torch.randn(4, 7))  # a forward that raises closes the outer's forward all the same
     assert model.generator(torch.randn(4, 8)).dtype is torch.float32
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_an_outer_forward_cut_off_by_ctrl_c_leaves_the_inner_output_cast_on(shape, level):
+    """Ctrl-C (a ``BaseException``) runs no always-called hook: the outer's forward is found gone by its call's
+    frame, not counted open for the rest of the session (the generator's outputs then stayed half)."""
+    model = _model(shape)
+    model.encoder = torch.nn.Sequential(model.encoder, Interruptible())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    extra = {"cast_model_outputs": torch.float32} if level == "O1" else {}
+    amp_patch.initialize([model, model.generator], opt, opt_level=level, verbosity=0, half_dtype=torch.bfloat16,
+                         **extra)
+    seen = []
+    model.generator.register_forward_hook(lambda m, a, out: seen.append(out.dtype))  # after amp_patch's own hook
+    for _ in range(2):
+        model.encoder[1].armed = True
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.randn(4, 6))
+        model.encoder[1].armed = False
+    assert model.generator(torch.randn(4, 8)).dtype is torch.float32  # called on its own: its output cast
+    assert model(torch.randn(4, 6)).dtype is torch.float32
+    inside = [] if shape == "separate" else [torch.bfloat16]  # inside the outer's forward: the outer's cast only
+    assert seen == [torch.float32] + inside
 
 
 @pytest.mark.parametrize("alias", [True, False], ids=["apex_alias", "amp_patch"])

@@ -6,24 +6,16 @@ computed with them: an eval sweep over checkpoints gave the first checkpoint's o
 import pytest
 import torch
 import torch.nn as nn
+from tests_support import Interruptible
 
 import amp_patch
 
 _native_on = torch._C.is_autocast_enabled
 
 
-class _Interruptible(nn.Module):
-    armed = False
-
-    def forward(self, x):
-        if self.armed:
-            raise KeyboardInterrupt
-        return x
-
-
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), _Interruptible(), nn.Linear(8, 2))
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), Interruptible(), nn.Linear(8, 2))
 
 
 @pytest.mark.parametrize("engine", ["hybrid", "python"])

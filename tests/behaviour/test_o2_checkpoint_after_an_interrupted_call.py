@@ -5,22 +5,14 @@ params through ``_parameters.items()``: ``state_dict()`` (the usual ``except Key
 import pytest
 import torch
 import torch.nn as nn
+from tests_support import Interruptible
 
 import amp_patch
 
 
-class _Interruptible(nn.Module):
-    armed = False
-
-    def forward(self, x):
-        if self.armed:
-            raise KeyboardInterrupt
-        return x
-
-
 def _session():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), _Interruptible(), nn.Linear(8, 2))
+    model = nn.Sequential(nn.Linear(4, 8), Interruptible(), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     return amp_patch.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
 

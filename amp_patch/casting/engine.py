@@ -243,6 +243,18 @@ class CastingEngine:
             if ident not in self.cache.regions:  # the region is over: keep no casts (and no weights) alive
                 self.cache.entries.clear()
 
+    def drop_cut_off(self):
+        """Where weights may change outside a forward (an optimizer step, a ``load_state_dict``): a forward of this
+        thread cut off by Ctrl-C (its outermost call no longer running) is forgotten first, so no cast of the old
+        weights (native's cache, the Python engine's) serves what runs before the model's next forward (a submodule
+        called on its own after a checkpoint load read the loaded weights' old casts)."""
+        ident = threading.get_ident()
+        frame = self.outer_calls.get(ident)
+        if frame is not None and not running(frame):
+            self.forget_forwards()
+            if ident not in self.cache.regions:
+                self.cache.entries.clear()
+
     def forget_forwards(self):
         self.forwards.pop(threading.get_ident(), None)
         self.outer_calls.pop(threading.get_ident(), None)
@@ -268,6 +280,8 @@ class CastingEngine:
     def pause_for_step(self):
         """Optimizer math runs on fp32 params/grads: no wrapper has anything to cast there, so skip them for
         the step (the in-place ops of an optimizer step are most of O1's per-step wrapper calls)."""
+        if self.outer_calls:
+            self.drop_cut_off()
         ident = threading.get_ident()
         if ident not in self._paused:
             self._paused.add(ident)

@@ -18,6 +18,8 @@ CATALOGUE = (
     ("torch.optim.optimizer.Optimizer._lazy_init_maybe_master_weights", "legacy.amp_stash", "Apex's name, a no-op"),
     ("torch.nn.modules.rnn.RNNBase.check_input", "casting.interop.modules",
      "the dtype part of RNN input checks answers for the cast dtype while the _VF wrapper casts"),
+    ("torch.nn.modules.module.Module.load_state_dict", "casting.interop.modules",
+     "O1: a forward of the thread cut off by Ctrl-C is forgotten first (its casts of the old weights go)"),
     ("torch._C._is_any_autocast_enabled", "casting.interop.native_regions",
      "hybrid O1 engine: RNN input checks see native autocast as the Python path leaves it (off) in a fast region"),
     *((site, "casting.native_plan",

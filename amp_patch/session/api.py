@@ -300,6 +300,7 @@ def _install_casting(session, table, allow_banned, hybrid=()):
     engine.install()
     session.undo.append(data_loading.install(engine))
     session.undo.append(module_compat.relax_rnn_input_check(engine))
+    session.undo.append(module_compat.forget_cut_off_forward_on_load(engine))
     for state in session.scaling.opt_states.values():
         state.engine = engine
 

@@ -51,3 +51,37 @@ def test_an_eval_sweep_after_a_forward_that_raised_sees_each_checkpoint(engine, 
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert not torch.equal(got[0], got[1])
+
+
+def _reference(layer, x):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return layer(x)
+
+
+@pytest.mark.parametrize("engine", ["hybrid", "python"])
+@pytest.mark.parametrize("change", ["load_state_dict", "optimizer_step"])
+def test_a_submodule_called_on_its_own_after_ctrl_c_sees_the_changed_weights(engine, change):
+    """Ctrl-C left the forward's casting region open until the model's next forward; a layer called on its own
+    before that (no forward of the model: no hook finds the region gone) computed with its weights' casts from
+    before a checkpoint load or an optimizer step. Both now forget the cut-off forward first."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0,
+                                      cast_engine=engine)
+    try:
+        x = torch.randn(3, 4)
+        model[0](x)
+        model[2].armed = True
+        with pytest.raises(KeyboardInterrupt):
+            model(x)
+        model[2].armed = False
+        if change == "load_state_dict":
+            model.load_state_dict({k: v * 2 + 1 for k, v in model.state_dict().items()})
+        else:
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()
+        got = model[0](x)
+    finally:
+        amp_patch.deinitialize()
+    assert torch.equal(got, _reference(model[0], x))

@@ -5,9 +5,13 @@
   The ``torch._VF`` entry the module then calls is wrapped by the O1 engine and casts input, hidden state and
   weights to one dtype, so while that wrapper is installed (and casting is on in this thread) the dtype part of
   the check is answered for the cast dtype; the shape checks still run (:func:`relax_rnn_input_check`).
+* ``Module.load_state_dict`` first forgets a forward of this thread cut off by Ctrl-C (no hook ran at its end), so
+  its casts of the old weights are not what a submodule called on its own computes with after the load
+  (:func:`forget_cut_off_forward_on_load`; an optimizer step does the same at its start).
 
 The forward-hook helpers that keep ``TransformerEncoderLayer``'s fused fast path are in :mod:`amp_patch._torch.hooks`.
 """
+import functools
 from threading import get_ident
 
 import torch
@@ -26,6 +30,22 @@ def relax_rnn_input_check(engine):
     if modes:
         patcher.install(torch.nn.modules.rnn.RNNBase, "check_input",
                         lambda original: _check_input(original, engine, modes))
+    return patcher.restore_all
+
+
+def forget_cut_off_forward_on_load(engine):
+    """Patch ``Module.load_state_dict`` to call ``engine.drop_cut_off()`` first; returns the undo callable."""
+    patcher = Patcher()
+
+    def make(original):
+        @functools.wraps(original)
+        def load_state_dict(self, *args, **kwargs):
+            if engine.outer_calls:
+                engine.drop_cut_off()
+            return original(self, *args, **kwargs)
+        return load_state_dict
+
+    patcher.install(torch.nn.Module, "load_state_dict", make)
     return patcher.restore_all
 
 

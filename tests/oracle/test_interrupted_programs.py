@@ -1,0 +1,160 @@
+"""Random programs of train steps, forwards that raise or are cut off by Ctrl-C, checkpoint loads, eval forwards,
+calls of a submodule on its own and checkpoint saves give what a shadow that never failed gives, bitwise: native
+``torch.autocast`` on an fp32 copy (O1), or the program O2 amounts to written out (each param cast to bfloat16 for
+the call, inputs cast to it, outputs back to fp32). The model is OpenNMT-py's shape, passed with its generator
+(``initialize([model, model.generator], ...)``), with a layer in each that raises when armed.
+
+A call's end is tied to hooks that an abnormal exit can skip (Ctrl-C runs none); each state that end resets (the
+O1 casting region and native autocast's cast cache, O2's compute copies, the count of open outer forwards) read
+stale afterwards would show here as a wrong output, a half checkpoint or a param that is not the optimizer's."""
+import copy
+import os
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+
+import amp_patch
+
+HALF = torch.bfloat16
+SEEDS = int(os.environ.get("AMP_PATCH_PROGRAM_SEEDS", "24"))
+OPS = ("train", "raise", "interrupt", "load", "eval", "eval_grad", "sub", "save")
+SETUPS = {"O1-hybrid": dict(opt_level="O1", cast_engine="hybrid"),
+          "O1-python": dict(opt_level="O1", cast_engine="python"),
+          "O1-cast-outputs": dict(opt_level="O1", cast_model_outputs=torch.float32),
+          "O2": dict(opt_level="O2")}
+
+
+class Cut(nn.Module):
+    """Passes its input through, or raises the exception it is armed with."""
+
+    armed = None
+
+    def forward(self, x):
+        if self.armed is not None:
+            raise self.armed
+        return x
+
+
+class Translator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), Cut(), nn.Linear(8, 6))
+        self.generator = nn.Sequential(nn.Linear(6, 3), Cut())
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _cuts(model):
+    return model.body[2], model.generator[1]
+
+
+class _Shadow:
+    """The same model and optimizer run without amp_patch and never interrupted."""
+
+    def __init__(self, model, level, cast_outputs):
+        self.model, self.level, self.cast_outputs = copy.deepcopy(model), level, cast_outputs
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def _call(self, module, x, passed=True):
+        """``module(x)`` as amp_patch runs a model passed to initialize (``passed``) or a layer called on its own."""
+        if self.level == "O1":
+            with torch.autocast("cpu", dtype=HALF):
+                out = module(x)
+            return out.float() if self.cast_outputs and passed else out
+        swapped = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None]
+        for m, n, p in swapped:
+            m._parameters[n] = p.to(HALF)
+        try:
+            return module(x.to(HALF)).float()
+        finally:
+            for m, n, p in swapped:
+                m._parameters[n] = p
+
+    def outputs(self, x):
+        return self._call(self.model.generator, self._call(self.model, x))
+
+    def sub(self, x):
+        return self._call(self.model.body[0], x, passed=False) if self.level == "O1" else self._half_linear(x)
+
+    def _half_linear(self, x):
+        layer = self.model.body[0]
+        return nn.functional.linear(x.to(HALF), layer.weight.to(HALF), layer.bias.to(HALF))
+
+
+def _loss(out):
+    return out.float().pow(2).mean()
+
+
+def _run_op(op, model, opt, shadow, rng, gen):
+    x = torch.randn(3, 4, generator=gen)
+    if op == "train":
+        loss = _loss(model.generator(model(x)))
+        with amp_patch.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        _loss(shadow.outputs(x)).backward()
+        shadow.opt.step()
+        shadow.opt.zero_grad()
+    elif op in ("raise", "interrupt"):
+        cut = rng.choice(_cuts(model))
+        cut.armed = RuntimeError("a bad batch") if op == "raise" else KeyboardInterrupt()
+        try:
+            with pytest.raises((RuntimeError, KeyboardInterrupt)):
+                model.generator(model(x)).sum().backward()
+        finally:
+            cut.armed = None
+    elif op == "load":
+        state = {k: torch.randn(v.shape, generator=gen) for k, v in shadow.model.state_dict().items()}
+        model.load_state_dict(state)
+        shadow.model.load_state_dict(state)
+    elif op in ("eval", "eval_grad"):
+        with torch.set_grad_enabled(op == "eval_grad"):
+            got, want = model.generator(model(x)), shadow.outputs(x)
+        assert got.dtype == want.dtype and torch.equal(got, want), op
+    elif op == "sub":
+        got = model.body[0](x if shadow.level == "O1" else x.to(HALF))  # (not a model passed: no casts of its own)
+        want = shadow.sub(x)
+        assert got.dtype == want.dtype and torch.equal(got, want), op
+    else:  # save
+        got, want = model.state_dict(), shadow.model.state_dict()
+        assert all(got[k].dtype is torch.float32 and torch.equal(got[k], want[k]) for k in want), op
+        assert [id(p) for p in model.parameters()] == [id(p) for p in opt.param_groups[0]["params"]], op
+
+
+AFTER_FAILURE = ("load", "sub", "save", "eval", "eval_grad", "train")  # (no forward of the model: load, sub, save)
+
+
+def _program(seed, length=12):
+    """Random ops; each failed forward is followed by one to three that read or change what it may have left,
+    those that call no forward of the model drawn twice as often."""
+    rng, ops = random.Random(seed), []
+    while len(ops) < length:
+        ops.append(rng.choice(OPS))
+        if ops[-1] in ("raise", "interrupt"):
+            ops += rng.choices(AFTER_FAILURE, weights=(2, 2, 2, 1, 1, 1), k=rng.randint(1, 3))
+    return ops + ["eval", "save"]
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("seed", range(SEEDS))
+def test_a_program_with_failed_and_interrupted_forwards_matches_one_that_never_failed(setup, seed):
+    options = SETUPS[setup]
+    torch.manual_seed(seed)
+    model = Translator()
+    shadow = _Shadow(model, options["opt_level"], "cast_model_outputs" in options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_patch.initialize([model, model.generator], opt, half_dtype=HALF, verbosity=0, **options)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    done = []
+    try:
+        for op in _program(seed):
+            done.append(op)
+            _run_op(op, model, opt, shadow, rng, gen)
+    except AssertionError as e:
+        raise AssertionError(f"program {done} (seed {seed}): {e}") from None
+    finally:
+        amp_patch.deinitialize()

@@ -18,6 +18,9 @@ CATALOGUE = (
     ("torch.optim.optimizer.Optimizer._lazy_init_maybe_master_weights", "legacy.amp_stash", "Apex's name, a no-op"),
     ("torch.nn.modules.rnn.RNNBase.check_input", "casting.interop.modules",
      "the dtype part of RNN input checks answers for the cast dtype while the _VF wrapper casts"),
+    ("<class of each model passed>.forward", "session.call_guard",
+     "a forward cut off by Ctrl-C (a BaseException that is not an Exception) runs the session's always-called "
+     "forward hooks as it unwinds, as torch runs them for an Exception; other instances call straight through"),
     ("torch.nn.modules.module.Module.load_state_dict", "casting.interop.modules",
      "O1: a forward of the thread cut off by Ctrl-C is forgotten first (its casts of the old weights go)"),
     ("torch._C._is_any_autocast_enabled", "casting.interop.native_regions",

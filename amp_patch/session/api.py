@@ -23,7 +23,7 @@ from ..scaling.optimizer_state import OptimizerState
 from ..weights import clip_check
 from ..weights.compute_copies import check_no_calls_elsewhere
 from ..weights.storage import make_storage
-from . import data_loading, nested_models
+from . import call_guard, data_loading, nested_models
 from . import state as _state
 from .checks import (  # noqa: F401
     _check_enabled,
@@ -134,6 +134,7 @@ def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_
     _reach_early_bound(session, model_list)
     _attach_scopes(session, model_list)
     _guard_step_pause(session, model_list)
+    session.undo.append(call_guard.install(model_list))  # Ctrl-C in a forward ends the call as a raise does
 
 
 def _commit(session):

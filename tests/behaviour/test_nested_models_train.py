@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from tests_support import Interruptible
+from tests_support import Interruptible, forward_on_instance
 
 import amp_patch
 from amp_patch.legacy import amp as apex_amp
@@ -140,12 +140,17 @@ def test_the_inner_model_s_outputs_follow_its_own_casts_only_outside_the_outer_f
     assert model.generator(torch.randn(4, 8)).dtype is torch.float32
 
 
+@pytest.mark.parametrize("forward", ["class", "instance"])
 @pytest.mark.parametrize("level", ["O1", "O2"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_an_outer_forward_cut_off_by_ctrl_c_leaves_the_inner_output_cast_on(shape, level):
-    """Ctrl-C (a ``BaseException``) runs no always-called hook: the outer's forward is found gone by its call's
-    frame, not counted open for the rest of the session (the generator's outputs then stayed half)."""
+def test_an_outer_forward_cut_off_by_ctrl_c_leaves_the_inner_output_cast_on(shape, level, forward):
+    """Ctrl-C (a ``BaseException``) runs no always-called hook of torch's: the guard on the model class's forward
+    ends the outer's forward as it unwinds, and where it cannot (``forward`` set on the instance) the forward is
+    found gone by its call's frame; it is not counted open for the rest of the session (the generator's outputs
+    then stayed half)."""
     model = _model(shape)
+    if forward == "instance":
+        forward_on_instance(model)
     model.encoder = torch.nn.Sequential(model.encoder, Interruptible())
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     extra = {"cast_model_outputs": torch.float32} if level == "O1" else {}

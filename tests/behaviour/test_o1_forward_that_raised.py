@@ -6,23 +6,25 @@ computed with them: an eval sweep over checkpoints gave the first checkpoint's o
 import pytest
 import torch
 import torch.nn as nn
-from tests_support import Interruptible
+from tests_support import Interruptible, forward_on_instance
 
 import amp_patch
 
 _native_on = torch._C.is_autocast_enabled
 
 
-def _model():
+def _model(forward="class"):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), Interruptible(), nn.Linear(8, 2))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), Interruptible(), nn.Linear(8, 2))
+    return forward_on_instance(model) if forward == "instance" else model
 
 
 @pytest.mark.parametrize("engine", ["hybrid", "python"])
 @pytest.mark.parametrize("grad", [True, False])
-@pytest.mark.parametrize("cut", [RuntimeError, KeyboardInterrupt])
-def test_an_eval_sweep_after_a_forward_that_raised_sees_each_checkpoint(engine, grad, cut):
-    model = _model()
+@pytest.mark.parametrize("cut,forward", [(RuntimeError, "class"), (KeyboardInterrupt, "class"),
+                                         (KeyboardInterrupt, "instance")])
+def test_an_eval_sweep_after_a_forward_that_raised_sees_each_checkpoint(engine, grad, cut, forward):
+    model = _model(forward)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp_patch.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0,
                                       cast_engine=engine)
@@ -59,12 +61,16 @@ def _reference(layer, x):
 
 
 @pytest.mark.parametrize("engine", ["hybrid", "python"])
-@pytest.mark.parametrize("change", ["load_state_dict", "optimizer_step"])
-def test_a_submodule_called_on_its_own_after_ctrl_c_sees_the_changed_weights(engine, change):
+@pytest.mark.parametrize("change,forward", [("load_state_dict", "class"), ("optimizer_step", "class"),
+                                            ("in_place_edit", "class"), ("load_state_dict", "instance"),
+                                            ("optimizer_step", "instance")])  # (nothing sees an in-place edit)
+def test_a_submodule_called_on_its_own_after_ctrl_c_sees_the_changed_weights(engine, change, forward):
     """Ctrl-C left the forward's casting region open until the model's next forward; a layer called on its own
     before that (no forward of the model: no hook finds the region gone) computed with its weights' casts from
-    before a checkpoint load or an optimizer step. Both now forget the cut-off forward first."""
-    model = _model()
+    before a checkpoint load, an optimizer step or an in-place edit. The guard on the model class's forward now
+    ends the region as the interrupt unwinds; where it cannot see it (``forward`` set on the instance), a load and
+    a step forget the cut-off forward first (an in-place edit under ``no_grad`` is seen by nothing)."""
+    model = _model(forward)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     model, opt = amp_patch.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0,
                                       cast_engine=engine)
@@ -77,6 +83,9 @@ def test_a_submodule_called_on_its_own_after_ctrl_c_sees_the_changed_weights(eng
         model[2].armed = False
         if change == "load_state_dict":
             model.load_state_dict({k: v * 2 + 1 for k, v in model.state_dict().items()})
+        elif change == "in_place_edit":
+            with torch.no_grad():
+                model[0].weight.mul_(2)
         else:
             for p in model.parameters():
                 p.grad = torch.ones_like(p)

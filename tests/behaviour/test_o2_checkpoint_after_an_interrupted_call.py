@@ -1,18 +1,22 @@
 """A call of an O2 model cut off by Ctrl-C (a ``KeyboardInterrupt``: torch runs no always-called hook) leaves its
 half copies in the thread's overlay; the next call drops them, and so, before that, does anything reading the
 params through ``_parameters.items()``: ``state_dict()`` (the usual ``except KeyboardInterrupt: torch.save(...)``),
-``parameters()`` and ``load_state_dict``. A checkpoint saved after the interrupt holds the fp32 params."""
+``parameters()`` and ``load_state_dict``. A checkpoint saved after the interrupt holds the fp32 params. (The guard
+on the model class's forward ends such a call as it unwinds; with ``forward`` set on the instance it cannot, and
+the frame checks above are what end it: both are tested.)"""
 import pytest
 import torch
 import torch.nn as nn
-from tests_support import Interruptible
+from tests_support import Interruptible, forward_on_instance
 
 import amp_patch
 
 
-def _session():
+def _session(forward="class"):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), Interruptible(), nn.Linear(8, 2))
+    if forward == "instance":  # the guard on the class's forward cannot see the interrupt: the frame checks end it
+        forward_on_instance(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     return amp_patch.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
 
@@ -24,9 +28,9 @@ def _interrupt(model):
     model[1].armed = False
 
 
-@pytest.fixture
-def session():
-    model, opt = _session()
+@pytest.fixture(params=["class", "instance"])
+def session(request):
+    model, opt = _session(request.param)
     yield model, opt
     amp_patch.deinitialize()
 

@@ -49,15 +49,25 @@ def sigint_raises_keyboard_interrupt():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _native_autocast():
+    """This thread's native CPU autocast switch and dtype, read from torch's C++ state."""
+    return torch._C.is_autocast_enabled("cpu"), torch._C.get_autocast_dtype("cpu")
+
+
 @pytest.fixture(autouse=True)
 def no_patch_leaks():
     """Snapshot vars() of every namespace amp_patch patches; fail the test if anything differs after it."""
-    before = _snapshot()
+    before, native = _snapshot(), _native_autocast()
     yield
     stray_region = _state.current() is None and _state.active_engine() is not None
     amp_patch.deinitialize()  # a session left open is the test's cleanup; what stays after it is a leak
     REGISTRY.clear()
     leaks = leaks_of(before)
+    native_after = _native_autocast()
+    if native_after != native:  # (put back, so that one leak does not fail every later test)
+        torch._C.set_autocast_enabled("cpu", native[0])
+        torch.set_autocast_dtype("cpu", native[1])
+    assert native_after == native, f"native autocast state left changed in the thread: {native} -> {native_after}"
     assert not stray_region, "an amp_patch.autocast() region was left open"
     assert not registry.installed(), f"patches still registered: {registry.installed()[:20]}"
     assert not leaks, f"test leaked patches: {sorted(leaks)[:20]}"

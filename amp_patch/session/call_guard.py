@@ -12,21 +12,19 @@ for good.
 :func:`install` gives the class of each model passed to ``initialize`` a ``forward`` that runs the original in a
 ``try`` and, on such an exception, calls the model's always-called forward hooks that belong to the session
 (:class:`SessionHook`), as torch calls them for an ``Exception`` (a hook's own failure is logged), then re-raises.
-Instances of the class that are not a session's model (other models, copies) call straight through; while dynamo
-traces (``torch.compile``) the call is the original's alone, as torch runs no always-called hook there either.
+Instances of the class that are not a session's model (other models, copies) call straight through. dynamo traces
+the ``try`` without a graph break (``torch.compile(fullgraph=True)`` of a session's model); an interrupt inside a
+compiled graph is left to the frame checks, as torch runs no always-called hook there either.
 Left to the frame checks (``running``): a call cut off inside a pre-hook or another hook, or started by a
 submodule called on its own.
 """
 import functools
 import logging
 
-import torch
-
 from .._torch.hooks import SessionHook
 from ..patching.patcher import Patcher
 
 log = logging.getLogger(__name__)
-_compiling = torch.compiler.is_compiling
 
 
 def install(models):
@@ -43,7 +41,7 @@ def install(models):
 def _guard(original, guarded):
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        if _compiling() or id(self) not in guarded:
+        if id(self) not in guarded:
             return original(self, *args, **kwargs)
         try:
             return original(self, *args, **kwargs)

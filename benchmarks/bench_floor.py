@@ -11,7 +11,9 @@ reports each variant's median and quartiles over processes and, against ``--boun
 it with a two-sided sign test (a variant is "above" or "below" the bound only where p is small).
 
 "native + finite check" is the least any recipe that skips a step on inf/NaN grads does (amp_patch's ``scale_loss``
-at every opt level and dtype: Apex's behaviour); it is O1's floor. "hand O2" is the least an O2 step does, inline
+at every opt level and dtype: Apex's behaviour); it is O1's floor. "hand O1" is the least O1 with amp_patch's
+design does, inline (two forward hooks on the model switching native autocast, the loss cast outside the forward,
+a class-block scale_loss doing only the check, a one-frame step wrapper). "hand O2" is the least an O2 step does, inline
 with no amp_patch (each param cast per step, input half, output fp32, one fused check); it is O2's floor. Nothing
 here is asserted in tests.
 """
@@ -24,7 +26,77 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("native", "native + finite check", "hand O2", "O1", "O2")
+import torch
+import torch.nn.functional as F
+from torch import _C
+
+VARIANTS = ("native", "native + finite check", "hand O1", "hand O2", "O1", "O2")
+
+
+class _HandScaleLoss:
+    """``scale_loss`` at its least (scale 1.0): the loss as is, then one fused inf/NaN check and its host read."""
+
+    def __init__(self, params, state):
+        self.params, self.state = params, state
+        self.found, self.inv = torch.zeros(1), torch.ones(1)
+
+    def __call__(self, loss):
+        self.loss = loss
+        return self
+
+    def __enter__(self):
+        return self.loss
+
+    def __exit__(self, *exc):
+        self.found.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in self.params], self.found, self.inv)
+        self.state["skip"] = bool(self.found.item())
+
+
+def _hand_o1(model, optimizer, x, y, args, clock):
+    """The least an O1 step with amp_patch's design does, inline: a forward pre-hook and an always-called hook on the
+    model switching native autocast on for its forward (the root takes torch's slow call path, as under amp_patch),
+    the loss cast to fp32 outside it, a class-block ``scale_loss`` doing only the check, a one-frame step wrapper
+    that pauses casting. Returns the median step, as ``bench_small_step._steps``."""
+    prior, paused, state = [], set(), {"skip": False}
+
+    def pre(module, inputs):
+        prior.append((_C.is_autocast_enabled("cpu"), _C.get_autocast_dtype("cpu")))
+        _C.set_autocast_dtype("cpu", args.dtype)
+        _C.set_autocast_enabled("cpu", True)
+        _C.autocast_increment_nesting()
+
+    def post(module, inputs, output):
+        if _C.autocast_decrement_nesting() == 0:
+            _C.clear_autocast_cache()
+        enabled, dtype = prior.pop()
+        _C.set_autocast_enabled("cpu", enabled)
+        _C.set_autocast_dtype("cpu", dtype)
+
+    def step():
+        paused.add(0)
+        try:
+            return optimizer.step()
+        finally:
+            paused.discard(0)
+
+    handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post, always_call=True)]
+    scale_loss, times = _HandScaleLoss(list(model.parameters()), state), []
+    try:
+        for i in range(args.steps + 10):
+            start = clock()
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x).float(), y)
+            with scale_loss(loss) as scaled:
+                scaled.backward()
+            if not state["skip"]:
+                step()
+            if i >= 10:
+                times.append(clock() - start)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return statistics.median(times)
 
 
 def _child(blocks, steps, dtype_name):
@@ -39,7 +111,11 @@ def _child(blocks, steps, dtype_name):
     for block in range(blocks):
         k = block % len(VARIANTS)
         for variant in VARIANTS[k:] + VARIANTS[:k]:
-            medians[variant].append(_steps(variant, model, optimizer, x, y, args, time.thread_time))
+            if variant == "hand O1":
+                median = _hand_o1(model, optimizer, x, y, args, time.thread_time)
+            else:
+                median = _steps(variant, model, optimizer, x, y, args, time.thread_time)
+            medians[variant].append(median)
     native = statistics.median(medians["native"])
     print(json.dumps({v: statistics.median(m) / native for v, m in medians.items() if v != "native"}))
 

@@ -20,7 +20,8 @@ CATALOGUE = (
      "the dtype part of RNN input checks answers for the cast dtype while the _VF wrapper casts"),
     ("<class of each model passed>.forward", "session.call_guard",
      "a forward cut off by Ctrl-C (a BaseException that is not an Exception) runs the session's always-called "
-     "forward hooks as it unwinds, as torch runs them for an Exception; other instances call straight through"),
+     "forward hooks as it unwinds, as torch runs them for an Exception; other instances call straight through "
+     "(only a class defining forward itself as a plain function)"),
     ("torch.nn.modules.module.Module.load_state_dict", "casting.interop.modules",
      "O1: a forward of the thread cut off by Ctrl-C is forgotten first (its casts of the old weights go)"),
     ("torch._C._is_any_autocast_enabled", "casting.interop.native_regions",

@@ -12,14 +12,19 @@ for good.
 :func:`install` gives the class of each model passed to ``initialize`` a ``forward`` that runs the original in a
 ``try`` and, on such an exception, calls the model's always-called forward hooks that belong to the session
 (:class:`SessionHook`), as torch calls them for an ``Exception`` (a hook's own failure is logged), then re-raises.
-Instances of the class that are not a session's model (other models, copies) call straight through. dynamo traces
-the ``try`` without a graph break (``torch.compile(fullgraph=True)`` of a session's model); an interrupt inside a
-compiled graph is left to the frame checks, as torch runs no always-called hook there either.
-Left to the frame checks (``running``): a call cut off inside a pre-hook or another hook, or started by a
-submodule called on its own.
+Instances of the class that are not a session's model (other models, copies) call straight through. Only a class
+that defines ``forward`` itself as a plain function is guarded (not an inherited ``forward``, which would patch a
+class other models share; not a descriptor; not a scripted or traced module or an fx ``GraphModule``, whose
+``forward`` torch manages): the others are left to the frame checks, as is an interrupt inside a hook. Each class
+gets its own code object (dynamo's recompile limit counts per code object), and the guard holds no closure: an
+in-place reload of the class's ``forward`` (IPython's autoreload) replaces it, and deinitialize then hands the
+reloaded code to the original function it puts back. dynamo traces the ``try`` with no graph break; an interrupt
+inside a compiled graph is left to the frame checks, as torch runs no always-called hook there either.
 """
-import functools
 import logging
+import types
+
+import torch
 
 from .._torch.hooks import SessionHook
 from ..patching.patcher import Patcher
@@ -29,28 +34,62 @@ log = logging.getLogger(__name__)
 
 def install(models):
     """Guard the forwards of ``models`` (see the module docstring); returns the undo callable."""
-    patcher, guarded = Patcher(), set()
+    patcher, guarded, codes = Patcher(), set(), {}
     for model in models:
         guarded.add(id(model))
         cls = type(model)
-        if not any(p.target is cls for p in patcher.patches):
-            patcher.install(cls, "forward", lambda original: _guard(original, guarded))
-    return patcher.restore_all
+        if cls in codes or not _guardable(cls):
+            continue
+        replacement = patcher.install(cls, "forward", lambda original, cls=cls: _guard(cls, original, guarded))
+        codes[cls] = replacement.__code__
+
+    def undo():
+        for patch in patcher.patches:
+            _carry_reload(patch, codes.get(patch.target))
+        patcher.restore_all()
+    return undo
 
 
-def _guard(original, guarded):
-    @functools.wraps(original)
-    def forward(self, *args, **kwargs):
-        if id(self) not in guarded:
-            return original(self, *args, **kwargs)
-        try:
-            return original(self, *args, **kwargs)
-        except Exception:
-            raise
-        except BaseException:  # noqa: B036 - Ctrl-C: end the call as torch ends one that raised, then re-raise
-            end_cut_off_call(self, args, kwargs)
-            raise
+def _guardable(cls):
+    return (type(vars(cls).get("forward")) is types.FunctionType
+            and not issubclass(cls, (torch.jit.ScriptModule, torch.fx.GraphModule)))
+
+
+def _guarded_forward(self, *args, _original=None, _guarded=(), **kwargs):
+    if id(self) not in _guarded:
+        return _original(self, *args, **kwargs)
+    try:
+        return _original(self, *args, **kwargs)
+    except Exception:
+        raise
+    except BaseException:  # noqa: B036 - Ctrl-C: end the call as torch ends one that raised, then re-raise
+        end_cut_off_call(self, args, kwargs)
+        raise
+
+
+def _guard(cls, original, guarded):
+    """The guard of ``cls`` (its own code object; ``original`` and ``guarded`` as keyword defaults, no closure)."""
+    code = _guarded_forward.__code__.replace(co_name="forward", co_qualname=f"{cls.__qualname__}.forward")
+    forward = types.FunctionType(code, _guarded_forward.__globals__, "forward")
+    forward.__kwdefaults__ = {"_original": original, "_guarded": guarded}
+    for name in ("__module__", "__doc__", "__qualname__", "__annotations__"):
+        setattr(forward, name, getattr(original, name))
+    forward.__dict__.update(original.__dict__)
+    forward.__wrapped__ = original  # (inspect.signature shows the original's)
     return forward
+
+
+def _carry_reload(patch, code):
+    """The guard's code was replaced in place (an autoreload of the class's forward): the original function put back
+    gets the reloaded code, as the reload would have given it."""
+    current = vars(patch.target).get(patch.name)
+    if current is patch.replacement and code is not None and current.__code__ is not code:
+        try:
+            patch.raw.__code__ = current.__code__
+            patch.raw.__defaults__, patch.raw.__kwdefaults__ = current.__defaults__, current.__kwdefaults__
+        except ValueError:  # (another count of free variables: left as it was)
+            log.warning("amp_patch: %s.forward was reloaded during the session and cannot be handed back; "
+                        "reload it again", patch.target.__qualname__)
 
 
 def end_cut_off_call(module, args, kwargs):

@@ -21,6 +21,7 @@ in-place reload of the class's ``forward`` (IPython's autoreload) replaces it, a
 reloaded code to the original function it puts back. dynamo traces the ``try`` with no graph break; an interrupt
 inside a compiled graph is left to the frame checks, as torch runs no always-called hook there either.
 """
+import inspect
 import logging
 import types
 
@@ -76,6 +77,7 @@ def _guard(cls, original, guarded):
         setattr(forward, name, getattr(original, name))
     forward.__dict__.update(original.__dict__)
     forward.__wrapped__ = original  # (inspect.signature shows the original's)
+    forward.__signature__ = inspect.signature(original)  # (so does getfullargspec, which follows no __wrapped__)
     return forward
 
 

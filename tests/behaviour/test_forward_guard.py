@@ -4,6 +4,7 @@ inherited, a descriptor, scripted, traced or an fx graph's are left unguarded, e
 object (dynamo's recompile limit counts per code object), an in-place reload of ``forward`` (IPython's autoreload)
 takes effect and outlives deinitialize, and deinitialize puts the original function back."""
 import functools
+import inspect
 import types
 from unittest import mock
 
@@ -45,6 +46,19 @@ def test_deinitialize_puts_the_original_function_back():
     assert vars(Net)["forward"] is not original and vars(Net)["forward"].__wrapped__ is original
     amp_patch.deinitialize()
     assert vars(Net)["forward"] is original
+
+
+def test_introspection_of_a_guarded_forward_shows_the_original():
+    class Signed(Net):
+        def forward(self, x, y=None, *, z=1):
+            """Its own doc."""
+            return self.fc(x)
+
+    expected = inspect.getfullargspec(Signed.forward)
+    _session(Signed())
+    assert inspect.getfullargspec(Signed.forward) == expected
+    assert str(inspect.signature(Signed.forward)) == "(self, x, y=None, *, z=1)"
+    assert (Signed.forward.__name__, Signed.forward.__doc__) == ("forward", "Its own doc.")
 
 
 def test_each_guarded_class_has_its_own_code_object():

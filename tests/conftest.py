@@ -66,7 +66,7 @@ def no_patch_leaks():
     native_after = _native_autocast()
     if native_after != native:  # (put back, so that one leak does not fail every later test)
         torch._C.set_autocast_enabled("cpu", native[0])
-        torch.set_autocast_dtype("cpu", native[1])
+        torch._C.set_autocast_dtype("cpu", native[1])
     assert native_after == native, f"native autocast state left changed in the thread: {native} -> {native_after}"
     assert not stray_region, "an amp_patch.autocast() region was left open"
     assert not registry.installed(), f"patches still registered: {registry.installed()[:20]}"

@@ -209,11 +209,16 @@ class CastingEngine:
         casts across checkpoints an eval loop loads) or left by a dead thread whose ident this one reuses."""
         if not getattr(self._threads, "seen", False):
             return self._forget_dead_thread(ident)
-        frame = self.outer_calls.get(ident)
-        if frame is not None and not running(frame):
+        if self._cut_off(ident):
             self.forget_forwards()
             return 0
         return depth
+
+    def _cut_off(self, ident):
+        """Whether this thread's outermost forward no longer runs (its torch call's frame is gone: Ctrl-C where the
+        guard on the model's forward, ``session.call_guard``, could not see it)."""
+        frame = self.outer_calls.get(ident)
+        return frame is not None and not running(frame)
 
     def _forget_dead_thread(self, ident):
         """This thread reuses the ident of a thread that died inside a forward (it raised there and no scale_loss
@@ -226,9 +231,9 @@ class CastingEngine:
         return 0
 
     def end_forward(self):
-        """A forward of a session's model returned or raised (torch's always-called hook): the outermost drops the
-        casts. (One cut off by a ``BaseException``, Ctrl-C, runs no hook: it is forgotten at the thread's next
-        scale_loss, ``forget_forwards``.)"""
+        """A forward of a session's model returned or raised (torch's always-called hook; for Ctrl-C, the guard on
+        the model's forward runs it): the outermost drops the casts. (One cut off where the guard cannot see it is
+        forgotten at the thread's next forward, scale_loss, optimizer step or ``load_state_dict``.)"""
         if _compiling():
             return
         ident = threading.get_ident()
@@ -249,8 +254,7 @@ class CastingEngine:
         weights (native's cache, the Python engine's) serves what runs before the model's next forward (a submodule
         called on its own after a checkpoint load read the loaded weights' old casts)."""
         ident = threading.get_ident()
-        frame = self.outer_calls.get(ident)
-        if frame is not None and not running(frame):
+        if self._cut_off(ident):
             self.forget_forwards()
             if ident not in self.cache.regions:
                 self.cache.entries.clear()

@@ -138,3 +138,47 @@ def test_full_zoo_matches_the_reference_bitwise(name, variant):
 @pytest.mark.parametrize("name,variant", FULL, ids=[f"{n}-{v}" for n, v in FULL])
 def test_full_zoo_compiled_within_tolerance(name, variant):
     _check(name, variant, compile=True)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_ctrl_c_inside_a_checkpointed_gpt2_block_leaves_nothing_behind(level):
+    """A tiny GPT-2 with gradient checkpointing, Ctrl-C inside its second block mid training step (a pre-hook that
+    raises ``KeyboardInterrupt``), then an eval under ``torch.inference_mode()`` as an interrupt handler would run:
+    the logits are those of the same eval before the interrupt (O1: also native autocast's on an fp32 copy, bitwise),
+    the checkpoint holds fp32 params, and native autocast is off after the block and after deinitialize (before
+    the guard on the model's forward, the stale region came back on for good when the block ended)."""
+    import copy
+
+    torch.manual_seed(0)
+    model, batch = _gpt2()
+    model.gradient_checkpointing_enable()
+    reference = copy.deepcopy(model).eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    amp_patch.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16, verbosity=0)
+    ids = batch(torch.Generator().manual_seed(1))["input_ids"]
+
+    def evaluate():
+        model.eval()
+        with torch.inference_mode():
+            logits = model(ids).logits.clone()
+        model.train()
+        return logits
+
+    before = evaluate()
+
+    def ctrl_c(module, args):
+        raise KeyboardInterrupt
+
+    handle = model.transformer.h[1].register_forward_pre_hook(ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        model(input_ids=ids, labels=ids).loss.backward()
+    handle.remove()
+    after = evaluate()
+    assert not torch._C.is_autocast_enabled("cpu")
+    assert torch.equal(after, before)
+    assert all(v.dtype is torch.float32 for v in model.state_dict().values() if v.is_floating_point())
+    if level == "O1":
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(after, reference(ids).logits)
+    amp_patch.deinitialize()
+    assert not torch._C.is_autocast_enabled("cpu")

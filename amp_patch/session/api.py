@@ -134,7 +134,9 @@ def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_
     _reach_early_bound(session, model_list)
     _attach_scopes(session, model_list)
     _guard_step_pause(session, model_list)
-    session.undo.append(call_guard.install(model_list))  # Ctrl-C in a forward ends the call as a raise does
+    guard = call_guard.CallGuard()  # Ctrl-C in a forward ends the call as a raise does
+    session.undo.append(guard.undo)  # first: an interrupt right after a patch leaves nothing behind
+    guard.install(model_list)
 
 
 def _commit(session):
@@ -299,9 +301,11 @@ def _install_casting(session, table, allow_banned, hybrid=()):
                                                     hybrid=hybrid)
     session.undo.append(engine.uninstall)
     engine.install()
-    session.undo.append(data_loading.install(engine))
-    session.undo.append(module_compat.relax_rnn_input_check(engine))
-    session.undo.append(module_compat.forget_cut_off_forward_on_load(engine))
+    patcher = Patcher()
+    session.undo.append(patcher.restore_all)  # first: an interrupt right after a patch leaves nothing behind
+    data_loading.install(engine, patcher)
+    module_compat.relax_rnn_input_check(engine, patcher)
+    module_compat.forget_cut_off_forward_on_load(engine, patcher)
     for state in session.scaling.opt_states.values():
         state.engine = engine
 

@@ -9,9 +9,10 @@ a submodule called on its own computed with casts (O1) or half copies (O2) of we
 closed inside a ``torch.inference_mode()`` block was switched on again when the block restored its thread state,
 for good.
 
-:func:`install` gives the class of each model passed to ``initialize`` a ``forward`` that runs the original in a
-``try`` and, on such an exception, calls the model's always-called forward hooks that belong to the session
-(:class:`SessionHook`), as torch calls them for an ``Exception`` (a hook's own failure is logged), then re-raises.
+:meth:`CallGuard.install` gives the class of each model passed to ``initialize`` a ``forward`` that runs the
+original in a ``try`` and, on such an exception, calls the model's always-called forward hooks that belong to the
+session (:class:`SessionHook`), as torch calls them for an ``Exception`` (a hook's own failure is logged), then
+re-raises.
 Instances of the class that are not a session's model (other models, copies) call straight through. Only a class
 that defines ``forward`` itself as a plain function is guarded (not an inherited ``forward``, which would patch a
 class other models share; not a descriptor; not a scripted or traced module or an fx ``GraphModule``, whose
@@ -33,22 +34,31 @@ from ..patching.patcher import Patcher
 log = logging.getLogger(__name__)
 
 
-def install(models):
-    """Guard the forwards of ``models`` (see the module docstring); returns the undo callable."""
-    patcher, guarded, codes = Patcher(), set(), {}
-    for model in models:
-        guarded.add(id(model))
-        cls = type(model)
-        if cls in codes or not _guardable(cls):
-            continue
-        replacement = patcher.install(cls, "forward", lambda original, cls=cls: _guard(cls, original, guarded))
-        codes[cls] = replacement.__code__
+class CallGuard:
+    """The guards of one session: :meth:`undo` is known before :meth:`install` patches anything, so an
+    interrupt between a patch and the end of ``install`` leaves nothing behind once the session's undo runs."""
 
-    def undo():
-        for patch in patcher.patches:
-            _carry_reload(patch, codes.get(patch.target))
-        patcher.restore_all()
-    return undo
+    def __init__(self):
+        self._patcher, self._codes = Patcher(), {}
+
+    def install(self, models):
+        """Guard the forwards of ``models`` (see the module docstring)."""
+        guarded = set()
+        for model in models:
+            guarded.add(id(model))
+            cls = type(model)
+            if cls in self._codes or not _guardable(cls):
+                continue
+            replacement = self._patcher.install(cls, "forward",
+                                                lambda original, cls=cls: _guard(cls, original, guarded))
+            self._codes[cls] = replacement.__code__
+
+    def undo(self):
+        try:
+            for patch in self._patcher.patches:
+                _carry_reload(patch, self._codes.get(patch.target))
+        finally:  # the patches go back even if handing a reload back failed
+            self._patcher.restore_all()
 
 
 def _guardable(cls):

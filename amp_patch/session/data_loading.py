@@ -12,15 +12,13 @@ import functools
 
 from torch.utils.data import dataloader as _dataloader
 
-from ..patching.patcher import Patcher
 
-
-def install(engine):
-    """Patch the single-process fetch to pause ``engine``'s casting; returns the undo callable."""
-    patcher = Patcher()
+def install(engine, patcher):
+    """Patch (through ``patcher``, whose ``restore_all`` undoes it) the single-process fetch to pause ``engine``'s
+    casting."""
     target = getattr(_dataloader, "_SingleProcessDataLoaderIter", None)
     if target is None or "_next_data" not in vars(target):
-        return patcher.restore_all
+        return
     casts_disabled = engine.casts_disabled
 
     def make(original):
@@ -30,9 +28,4 @@ def install(engine):
                 return original(self)
         return _next_data
 
-    try:
-        patcher.install(target, "_next_data", make)
-    except BaseException:
-        patcher.restore_all()
-        raise
-    return patcher.restore_all
+    patcher.install(target, "_next_data", make)

@@ -19,6 +19,7 @@ import torch
 from ..casting.engine import CastingEngine
 from ..config.oplist import load_op_lists
 from ..errors import ConfigError, UsageError
+from ..patching.patcher import Patcher
 from . import data_loading
 from . import state as _state
 
@@ -98,17 +99,23 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
             warnings.warn("amp_patch.autocast(): the op list's scopes: section has no effect in an autocast() "
                           "region (it knows no model); pass the op list to amp_patch.initialize(model, ...) to "
                           "use scopes", UserWarning, stacklevel=3)
-        with _state.lock:
-            engine.install()
-            undo_loading = data_loading.install(engine)
-            _state.set_region_engine(engine)  # an O0/O2/O3 session (no engine of its own) stays the active one
-        engine.enter_region()
+        loading = Patcher()
 
         def close():
             with _state.lock:
                 _state.set_region_engine(None)
-                undo_loading()
+                loading.restore_all()
                 engine.uninstall()
+
+        with _state.lock:
+            try:
+                engine.install()
+                data_loading.install(engine, loading)
+                _state.set_region_engine(engine)  # an O0/O2/O3 session (no engine of its own) stays the active one
+            except BaseException:  # (an interrupt after a patch: nothing stays behind)
+                close()
+                raise
+        engine.enter_region()
 
         return close
 

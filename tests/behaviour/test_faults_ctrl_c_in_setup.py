@@ -107,6 +107,77 @@ def test_ctrl_c_right_after_a_patch_is_installed(monkeypatch, level, n):
     _assert_clean(model, hooks, opt)
 
 
+class _Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def _patches_of(action):
+    """The patcher of each patch ``action()`` applies, in order (a dry run)."""
+    seen, original = [], Patcher._apply
+
+    def recording(self, patch):
+        seen.append(id(self))
+        return original(self, patch)
+
+    Patcher._apply = recording
+    try:
+        action()
+    finally:
+        Patcher._apply = original
+    return seen
+
+
+def _each_patchers_first_and_last(seen):
+    firsts = {seen.index(owner) for owner in seen}
+    lasts = {len(seen) - 1 - seen[::-1].index(owner) for owner in seen}
+    return sorted(firsts | lasts), len(firsts)
+
+
+@pytest.mark.parametrize("level", ["O0", *LEVELS])
+def test_ctrl_c_right_after_each_patchers_first_and_last_patch_leaves_nothing_behind(monkeypatch, level):
+    """Every patcher of initialize (every step that patches, the forward guard of each model class included) is
+    interrupted right after its first and after its last patch: a deinitialize then leaves no patch registered."""
+    from amp_patch.patching import registry
+    model, opt = _net()
+    models = [model, _Head()]
+    hooks = _hooks()
+    seen = _patches_of(lambda: amp_patch.initialize(models, opt, opt_level=level, verbosity=0))
+    amp_patch.deinitialize()
+    indices, patchers = _each_patchers_first_and_last(seen)
+    assert patchers >= 2 and not registry.installed()
+    for index in indices:
+        _interrupt_after(monkeypatch, Patcher, "_apply", index + 1)
+        with pytest.raises(KeyboardInterrupt):
+            amp_patch.initialize(models, opt, opt_level=level, verbosity=0)
+        monkeypatch.undo()
+        amp_patch.deinitialize()
+        assert not registry.installed(), f"interrupted after patch {index + 1} of {len(seen)}"
+        _assert_clean(model, hooks, opt)
+
+
+def test_ctrl_c_right_after_each_patchers_first_and_last_patch_as_a_region_opens_leaves_nothing_behind(monkeypatch):
+    """``amp_patch.autocast()`` interrupted as it opens, right after each of its patchers' first and last patch."""
+    from amp_patch.patching import registry
+
+    def open_and_close():
+        with amp_patch.autocast():
+            pass
+    indices, patchers = _each_patchers_first_and_last(_patches_of(open_and_close))
+    assert patchers >= 2 and not registry.installed()
+    for index in indices:
+        _interrupt_after(monkeypatch, Patcher, "_apply", index + 1)
+        with pytest.raises(KeyboardInterrupt):
+            open_and_close()
+        monkeypatch.undo()
+        assert not registry.installed(), f"interrupted after patch {index + 1}"
+        assert not torch.is_autocast_enabled("cpu")
+
+
 class _Flaky:
     """Sets the attribute, then raises KeyboardInterrupt once for the names in ``interrupt``."""
     interrupt = set()

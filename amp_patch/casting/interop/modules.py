@@ -16,26 +16,22 @@ from threading import get_ident
 
 import torch
 
-from ...patching.patcher import Patcher
-
 _VF_OF_MODE = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}
 
 
-def relax_rnn_input_check(engine):
-    """Patch ``RNNBase.check_input`` for the engine's session; returns the undo callable."""
+def relax_rnn_input_check(engine, patcher):
+    """Patch ``RNNBase.check_input`` for the engine's session through ``patcher`` (its ``restore_all`` undoes it)."""
     wrapped = {p.name for p in engine.patcher.patches if p.target is torch._VF
                and getattr(getattr(p.replacement, "_amp_patch_entry", None), "category", None) != "native_off"}
     modes = {mode for mode, fn in _VF_OF_MODE.items() if fn in wrapped}
-    patcher = Patcher()
     if modes:
         patcher.install(torch.nn.modules.rnn.RNNBase, "check_input",
                         lambda original: _check_input(original, engine, modes))
-    return patcher.restore_all
 
 
-def forget_cut_off_forward_on_load(engine):
-    """Patch ``Module.load_state_dict`` to call ``engine.drop_cut_off()`` first; returns the undo callable."""
-    patcher = Patcher()
+def forget_cut_off_forward_on_load(engine, patcher):
+    """Patch ``Module.load_state_dict`` to call ``engine.drop_cut_off()`` first, through ``patcher`` (its
+    ``restore_all`` undoes it)."""
 
     def make(original):
         @functools.wraps(original)
@@ -46,7 +42,6 @@ def forget_cut_off_forward_on_load(engine):
         return load_state_dict
 
     patcher.install(torch.nn.Module, "load_state_dict", make)
-    return patcher.restore_all
 
 
 def _check_input(original, engine, modes):

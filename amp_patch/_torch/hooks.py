@@ -49,14 +49,11 @@ class SessionHook(ForwardHook):
         return InertHook, ()
 
 
-class CallOnForward(SessionHook):
-    """A forward pre-hook or forward hook calling ``fn()`` (e.g. the O1 engine's resume after a failed step)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, module, *args_and_output):
-        self.fn()
+def call_on_forward(fn):
+    """A forward pre-hook or forward hook (a :class:`SessionHook`) that is ``fn`` itself: torch calls
+    ``fn(module, *args_and_output)`` with no frame of the hook's own (its own class's ``__call__`` is ``fn``): the
+    O1 engine's begin and end of every forward."""
+    return type("CallOnForward", (SessionHook,), {"__call__": staticmethod(fn)})()
 
 
 class InertHook(ForwardHook):
@@ -133,6 +130,7 @@ def _inner_code():
 
 
 _INNER = _inner_code()  # the code of torch's module call body that runs a module's own hooks and its forward
+MODULE_CALL_CODE = _INNER if _INNER is not None else object()  # (for an inline module_call_frame: never a code)
 
 
 def module_call_frame(depth):

@@ -5,12 +5,13 @@ when no session is active). It owns the patcher, the cast cache and the
 per-thread switch the wrappers read.
 """
 import logging
+import sys
 import threading
 
 import torch
 
 from .._torch import dynamo_tables
-from .._torch.hooks import module_call_frame, running
+from .._torch.hooks import MODULE_CALL_CODE, running
 from ..patching.patcher import Patcher
 from ..patching.resolve import resolve_target
 from .cache import CastCache, make_to_half
@@ -22,6 +23,7 @@ from .wrappers import DisabledThreads, make_wrapper
 
 log = logging.getLogger("amp_patch")
 _compiling = torch.compiler.is_compiling
+_getframe = sys._getframe
 
 
 class CastingEngine:
@@ -49,7 +51,7 @@ class CastingEngine:
         self.patcher = Patcher()
         self.tracer = None
         self._dynamo_table = None  # dynamo's table as built before patching (see dynamo_tables)
-        self._paused = set()  # threads inside an optimizer step
+        self.paused = set()  # threads inside an optimizer step
         self._threads = threading.local()  # .seen: this thread began a forward (tells a reused ident from it)
         self.scopes = ScopeRuntime(table.scopes) if getattr(table, "scopes", ()) else None
         self.device_type = native_regions.engine_device_type()  # whose torch.autocast(enabled=False) regions count
@@ -171,7 +173,7 @@ class CastingEngine:
         dynamo_tables.forget_after_unpatching(self._dynamo_table)
         self.cache.clear()
         self.disabled.close()  # wrappers captured or re-patched over by others pass through from now on
-        self._paused.clear()
+        self.paused.clear()
         self.native_regions.clear()
 
     def clear_cache(self):
@@ -184,10 +186,11 @@ class CastingEngine:
     def exit_region(self):
         self.cache.exit_region()
 
-    def begin_forward(self):
-        """A forward of a session's model starts: end a step pause, drop the casts of the last forward (a weight
-        may have changed through ``.data`` since, which nothing can detect: see ``CastCache``)."""
-        if self._paused:
+    def begin_forward(self, *hook_args):
+        """A forward of a session's model starts (its forward pre-hook, ``hook_args`` ignored): end a step pause,
+        drop the casts of the last forward (a weight may have changed through ``.data`` since, which nothing can
+        detect: see ``CastCache``)."""
+        if self.paused:
             self.resume_after_step()
         if _compiling():  # dynamo traces the hooks: no thread ident in the graph (a graph break), no cache there
             return
@@ -198,7 +201,8 @@ class CastingEngine:
             depth = self._nested_depth(ident, depth)
         if not depth:
             self._threads.seen = True
-            self.outer_calls[ident] = module_call_frame(2)  # (torch's call: hook -> CallOnForward -> here)
+            frame = _getframe(1)  # (module_call_frame(1): torch's call running this hook)
+            self.outer_calls[ident] = frame if frame.f_code is MODULE_CALL_CODE else None
         self.forwards[ident] = depth + 1
         if self.fast is not None:
             self.fast.open_eager(ident)
@@ -230,10 +234,11 @@ class CastingEngine:
         self._threads.seen = True
         return 0
 
-    def end_forward(self):
-        """A forward of a session's model returned or raised (torch's always-called hook; for Ctrl-C, the guard on
-        the model's forward runs it): the outermost drops the casts. (One cut off where the guard cannot see it is
-        forgotten at the thread's next forward, scale_loss, optimizer step or ``load_state_dict``.)"""
+    def end_forward(self, *hook_args):
+        """A forward of a session's model returned or raised (torch's always-called hook, ``hook_args`` ignored;
+        for Ctrl-C, the guard on the model's forward runs it): the outermost drops the casts. (One cut off where the
+        guard cannot see it is forgotten at the thread's next forward, scale_loss, optimizer step or
+        ``load_state_dict``.)"""
         if _compiling():
             return
         ident = threading.get_ident()
@@ -269,7 +274,7 @@ class CastingEngine:
         """A ``scale_loss`` block opens in this thread: :meth:`resume_after_step` and :meth:`forget_forwards` in
         one frame (each guard skips a call that would do nothing: every iteration)."""
         ident = threading.get_ident()
-        paused = self._paused
+        paused = self.paused
         if paused and ident in paused:
             paused.discard(ident)
             self.disabled.exit()
@@ -287,18 +292,18 @@ class CastingEngine:
         if self.outer_calls:
             self.drop_cut_off()
         ident = threading.get_ident()
-        if ident not in self._paused:
-            self._paused.add(ident)
+        if ident not in self.paused:
+            self.paused.add(ident)
             self.disabled.enter()
 
     def in_step(self):
         """Whether this thread is inside an optimizer step's pause (the trace leaves those calls out)."""
-        return threading.get_ident() in self._paused
+        return threading.get_ident() in self.paused
 
     def resume_after_step(self):
         """End a step pause; also called before each forward of the models and on scale_loss entry, so a step
         that raised cannot leave casting off in this thread."""
-        paused = self._paused
+        paused = self.paused
         if paused and threading.get_ident() in paused:
             paused.discard(threading.get_ident())
             self.disabled.exit()

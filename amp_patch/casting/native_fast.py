@@ -66,7 +66,12 @@ class FastRegions:
             if ident in engine.disabled or engine.native_regions.get(ident) or engine.tracer is not None:
                 self.sync(ident)
                 return
-            self._turn_on(ident)  # (sync's usual case, in this frame: every forward of a session model opens here)
+            saved = []  # (sync's usual case, _turn_on inline: every forward of a session model opens here)
+            for device in self.device_types:
+                saved.append((device, _is_enabled(device), _get_dtype(device)))
+                _set_dtype(device, self.half_dtype)
+                _set_enabled(device, True)
+            self.saved[ident] = saved
             self.bypass[ident] = 1
 
     def close(self):
@@ -79,8 +84,11 @@ class FastRegions:
             self.depth[ident] = depth
             return
         if self.depth.pop(ident, None) is not None:  # (_end and sync's case of no forward left, in this frame:
-            if ident in self.saved:                   # every forward of a session model ends here)
-                self._turn_off(ident)
+            saved = self.saved.pop(ident, None)      # every forward of a session model ends here)
+            if saved is not None:  # (_turn_off inline)
+                for device, enabled, dtype in saved:
+                    _set_enabled(device, enabled)
+                    _set_dtype(device, dtype)
             if ident in self.engine.disabled:
                 self.bypass[ident] = 1
             else:
@@ -140,7 +148,7 @@ class FastRegions:
             if ident not in self.engine.disabled:
                 self.bypass.pop(ident, None)
 
-    def _turn_on(self, ident):
+    def _turn_on(self, ident):  # (inline in open_eager: keep the two alike)
         saved = []
         for device in self.device_types:  # (one loop, no comprehension frame: every forward turns native on)
             saved.append((device, _is_enabled(device), _get_dtype(device)))
@@ -148,7 +156,7 @@ class FastRegions:
             _set_enabled(device, True)
         self.saved[ident] = saved
 
-    def _turn_off(self, ident):
+    def _turn_off(self, ident):  # (inline in close_eager: keep the two alike)
         for device, enabled, dtype in self.saved.pop(ident):
             _set_enabled(device, enabled)
             _set_dtype(device, dtype)

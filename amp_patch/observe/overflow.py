@@ -205,7 +205,7 @@ class StepHistory:
             self._succeeded.add(loss_id)
         self.records.append((self.step, loss_id, before, after, skipped, overflow, cause[0], cause[1]))
         self.step += 1
-        if scaler.dynamic and loss_id not in self._warned:
+        if scaler._dynamic and loss_id not in self._warned:  # (LossScaler.dynamic, without the property's call)
             self._watch(loss_id, after, scaler)
 
     def rows(self):

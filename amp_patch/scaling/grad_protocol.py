@@ -12,6 +12,8 @@ from .._torch import dist as distributed
 from .stages import DOOMED, SCALED, UNSCALED, Scaled
 from .unscale import unscale_, unscale_usual_
 
+_new = object.__new__
+
 
 class GradProtocol:
     """``before_backward`` / ``after_backward`` and the unscaling they do (see the module docstring)."""
@@ -61,7 +63,8 @@ class GradProtocol:
         if (self.pending is None and scaler._scale == 1.0 and self.next_step is not DOOMED and self.masters is None
                 and threading.get_ident() in self.threads and not self.kept_model_grads and self.foreign is None):
             self.forgotten.scaled = True  # (ForgottenScaleLoss.note_scaled)
-            self.pending = Scaled(scaler)
+            self.pending = pending = _new(Scaled)  # (Scaled(scaler) without its __init__ frame)
+            pending.scaler, pending.inf_seen, pending.unreduced = scaler, False, False
         else:
             self.before_backward(scaler, False)
 

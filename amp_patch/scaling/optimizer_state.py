@@ -23,7 +23,7 @@ What the coming step does, ``next_step``::
     DOOMED --scale_loss entry finding no grad (_pardon)--> READY  grads cleared since the overflow (model.zero_grad())
     DOOMED --step() (_take_step)--> READY                         the step is skipped
     READY  --step() (_take_step)--> READY                         it runs (two-copy O2: masters copied to the model)
-    any    --zero_grad() (_forget_fate)--> READY
+    any    --zero_grad() (on_zero_grad)--> READY
 
 An overflow in a closure's backward inside ``step()`` (``stepping``) cannot skip that step any more: its grads
 become zeros for the rest of the step, and when it ends the step is undone from the copy taken as it began
@@ -193,7 +193,7 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
                     master.grad = None  # (Apex: "clear the master grads that are independent of model grads")
         self.kept_model_grads = []
         self.pending, self.foreign = None, None
-        self._forget_fate()
+        self.next_step, self.doomed_by = READY, None  # whatever doomed the step went with the grads
         self.set_aside, self.own_exit = [], None
 
     def _adopt_backward_outside(self):
@@ -206,12 +206,29 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
 
     # -- step hooks -----------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs):
-        if self._usual_pre_step(args, kwargs):
-            return
+        """torch's step pre-hook. The usual step, in this one frame: no closure, a block named the optimizer since
+        its last step, nothing pending, doomed or foreign, no masters, the thread known; the others in
+        :meth:`_general_pre_step`."""
+        frame = sys._getframe(1)  # torch's step wrapper running the hooks (a step that raised leaves it)
+        if (self.stepping or len(args) != 1 or kwargs or self.masters is not None or self.pending is not None
+                or self.next_step is not READY or self.foreign is not None or not self.forgotten.scaled):
+            return self._general_pre_step(optimizer, args, kwargs, frame)
+        ident = threading.get_ident()
+        if ident not in self.threads:
+            return self._general_pre_step(optimizer, args, kwargs, frame)
+        self.step_frame = frame
+        self.busy[ident] = "optimizer.step()"
+        self.forgotten.scaled = False
+        if self.engine is not None:
+            self.engine.pause_for_step()
+        self.last_skipped, self.stepping, self.snapshot = False, 1, None  # (_take_step of a READY step)
+
+    def _general_pre_step(self, optimizer, args, kwargs, frame):
+        """:meth:`_pre_step` of every other step; ``frame``: torch's step wrapper running the hooks."""
         if self.stepping and self._inside_step():  # a subclass's step() calling super().step(): torch runs the
             self.stepping += 1                         # hooks again; it is one step
             return
-        self.step_frame = sys._getframe(1)  # torch's step wrapper running the hooks (a step that raised leaves it)
+        self.step_frame = frame
         masters = self.masters
         if masters is not None:
             masters.sync_groups()
@@ -247,24 +264,6 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
             if self.snapshot is None:  # torch's optimizers pass over a param without a grad: hiding them skips
                 self._drop_grads()
             # (any other optimizer's step runs with its grads, which it may read, and is undone from the copy)
-
-    def _usual_pre_step(self, args, kwargs):
-        """:meth:`_pre_step` of the usual step, in one frame: no closure, a block named the optimizer since its last
-        step, nothing pending, doomed or foreign, no masters, the thread known. True if it did the pre-step."""
-        if (self.stepping or len(args) != 1 or kwargs or self.masters is not None or self.pending is not None
-                or self.next_step is not READY or self.foreign is not None or not self.forgotten.scaled):
-            return False
-        frame = sys._getframe(2)  # (as _pre_step's: torch's step wrapper running the hooks; read first, as there)
-        ident = threading.get_ident()
-        if ident not in self.threads:
-            return False
-        self.step_frame = frame
-        self.busy[ident] = "optimizer.step()"
-        self.forgotten.scaled = False
-        if self.engine is not None:
-            self.engine.pause_for_step()
-        self.last_skipped, self.stepping, self.snapshot = False, 1, None  # (_take_step of a READY step)
-        return True
 
     def _drop_grads(self):
         for group in self.optimizer.param_groups:

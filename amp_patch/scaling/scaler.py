@@ -131,8 +131,13 @@ class LossScaler:
         (self._scale, self._growth_tracker, self._hysteresis_tracker, self.steps, self.skipped_steps,
          self.last_overflow) = memento
 
-    def update(self, found_inf):
-        """Advance the state machine after one unscale; return True if the step must be skipped."""
+    def update(self, found_inf, mementos=None):
+        """Advance the state machine after one unscale; return True if the step must be skipped. ``mementos`` (a
+        dict, optional): a clean update first keeps this scaler's :meth:`memento` there, unless it holds one
+        already (the steady scale_loss exit's ``note_update``, without the two calls)."""
+        if mementos is not None and not found_inf and self not in mementos:
+            mementos[self] = (self._scale, self._growth_tracker, self._hysteresis_tracker, self.steps,
+                              self.skipped_steps, self.last_overflow)  # (memento)
         self.steps += 1
         if not found_inf:
             self.last_overflow = False

@@ -29,7 +29,8 @@ READY, DOOMED = NextStep.READY, NextStep.DOOMED
 
 
 class Scaled:
-    """The data of ``Grads.SCALED``: which scaler's scale the grads carry, and what they went through so far."""
+    """The data of ``Grads.SCALED``: which scaler's scale the grads carry, and what they went through so far.
+    (``GradProtocol.open_block`` builds its usual one without ``__init__``: a field added here goes there too.)"""
 
     __slots__ = ("scaler", "inf_seen", "unreduced")
 
@@ -66,7 +67,3 @@ class NextStepStage:
         self.last_skipped = self.next_step is DOOMED
         self.next_step = READY
         return self.last_skipped
-
-    def _forget_fate(self):
-        """zero_grad(): whatever doomed the step went with the grads."""
-        self.next_step, self.doomed_by = READY, None

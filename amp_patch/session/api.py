@@ -176,8 +176,9 @@ def _guard_zero_grad(session):
             result = original(self, *args, **kwargs)
             if ours:
                 state.on_zero_grad()
-                if session.casting.engine is not None:  # a step() that raised left O1 casting paused in this thread
-                    session.casting.engine.resume_after_step()
+                engine = session.casting.engine
+                if engine is not None and engine.paused:  # a step() that raised left O1 casting paused in this thread
+                    engine.resume_after_step()
             return result
         return zero_grad
 
@@ -332,10 +333,11 @@ def _guard_step_pause(session, models):
     engine = session.casting.engine
     if engine is None:
         return
-    resume, begin_forward, end_forward = engine.resume_after_step, engine.begin_forward, engine.end_forward
+    resume, paused = engine.resume_after_step, engine.paused
+    begin_forward, end_forward = engine.begin_forward, engine.end_forward
     for model in models:  # (begin_forward also drops the cast cache: see casting.wrappers.CastCache)
-        session.undo.append(hooks.forward_pre_hook(model, hooks.CallOnForward(begin_forward)).remove)
-        session.undo.append(hooks.forward_hook(model, hooks.CallOnForward(end_forward), always_call=True).remove)
+        session.undo.append(hooks.forward_pre_hook(model, hooks.call_on_forward(begin_forward)).remove)
+        session.undo.append(hooks.forward_hook(model, hooks.call_on_forward(end_forward), always_call=True).remove)
     patcher = Patcher()
     session.undo.append(patcher.restore_all)
 
@@ -345,7 +347,8 @@ def _guard_step_pause(session, models):
             try:
                 return original(self, *args, **kwargs)
             finally:
-                resume()
+                if paused:  # (the step's post-hook resumed already, unless step() raised)
+                    resume()
         return step
 
     for cls in dict.fromkeys(type(state.optimizer) for state in session.scaling.opt_states.values()):

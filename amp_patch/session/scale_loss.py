@@ -16,6 +16,8 @@ from .step_outcome import apex_rules, finish_step
 _Tensor = torch.Tensor
 _fp32 = torch.float32
 _get_ident = threading.get_ident
+_new = object.__new__
+_ACTIVE = _state.ACTIVE
 
 
 def _optimizer_list(optimizers):
@@ -65,13 +67,16 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
     Apex (NVIDIA BERT's post-accumulation all-reduce path). An exception inside the block
     leaves the grads scaled and pending; ``optimizer.zero_grad()`` then forgets them (docs/usage.md).
     """
-    return _Block(loss, optimizers, loss_id, model, delay_unscale, delay_overflow_check)
+    block = _new(_Block)  # (no __init__ frame: every iteration makes one)
+    block.args, block.phase = (loss, optimizers, loss_id, model, delay_unscale, delay_overflow_check), _Block.NEW
+    return block
 
 
 class _Block(contextlib.ContextDecorator):
     """One ``scale_loss`` block: a class, not a generator (it runs on every iteration), used as the generator was:
     once, by a ``with`` (or as a decorator, each call its own block); one dropped while open closes as a dropped
-    generator's ``finally`` did.
+    generator's ``finally`` did (an open block is an :class:`_OpenBlock`, whose ``__del__`` does that: a closed
+    block has no ``__del__`` to call). :func:`scale_loss` builds it (no ``__init__``).
 
     The usual block of a training loop takes the steady path (:func:`_steady_state`): the state it checks makes
     the general path's argument checks, nesting check, parallel checks, foreign-grad snapshots and notes, overflow
@@ -83,19 +88,15 @@ class _Block(contextlib.ContextDecorator):
                  "ident")
     NEW, OPEN, DISABLED, DONE = range(4)
 
-    def __init__(self, *args):
-        self.args = args
-        self.phase = self.NEW
-
     def _recreate_cm(self):
-        return _Block(*self.args)
+        return scale_loss(*self.args)
 
     def __enter__(self):
         if self.phase != self.NEW:
             raise UsageError("this scale_loss(...) object was entered already; each block needs its own call: "
                              "'with amp_patch.scale_loss(loss, optimizer) as scaled_loss:' per loss")
         loss, optimizers, loss_id, model, delay_unscale, overflow_check = self.args
-        session = _state.current_session("scale_loss")
+        session = _ACTIVE["session"] or _state.current_session("scale_loss")  # (the call raises: none is open)
         if not session.enabled:
             self.phase = self.DISABLED
             return loss
@@ -115,8 +116,8 @@ class _Block(contextlib.ContextDecorator):
         if unusual:
             _check_loss(loss)  # (raises, unless a tensor subclass or a half loss passes)
         engine = session.casting.engine
-        if engine is not None:
-            engine.loss_begins()
+        if engine is not None and (engine.paused or engine.forwards or engine.fast is not None and engine.fast.depth):
+            engine.loss_begins()  # (called only where it has something to do)
         state.open_block(scaler)
         scale = scaler._scale
         if scale != 1.0:  # (the probe watches the loss itself: a backward from it must reach the probe's hook)
@@ -125,13 +126,13 @@ class _Block(contextlib.ContextDecorator):
             scaled, self.probe = loss.float() if unusual else loss, None
         self.session, self.scaler = session, scaler
         self.ident = ident = _get_ident()  # (_open's and _mark_open's, for the one state)
-        self.phase = self.OPEN
+        self.phase, self.__class__ = self.OPEN, _OpenBlock
         state.in_scale_loss = True
         state.busy[ident] = "a scale_loss block"
         return scaled
 
     def _open(self, states):
-        self.ident, self.phase = threading.get_ident(), self.OPEN
+        self.ident, self.phase, self.__class__ = threading.get_ident(), self.OPEN, _OpenBlock
         _mark_open(states, True, self.ident)
 
     def _leave(self):
@@ -153,6 +154,7 @@ class _Block(contextlib.ContextDecorator):
                                  "statement: 'with amp_patch.scale_loss(loss, optimizer) as scaled_loss:'")
             self.phase = self.DONE  # (a disabled session's block; or exited twice: nothing more to do)
             return False
+        self.__class__ = _Block  # (closing: no __del__ left to call; __del__ itself never changes the class)
         steady = self.steady
         if steady is not None and exc_type is None and self.probe is None:
             self._exit_steady(steady)
@@ -193,18 +195,23 @@ class _Block(contextlib.ContextDecorator):
             self._end_steady()
             return
         found_inf = state.close_block(scaler, self.ident)
-        if found_inf or state.next_step is DOOMED or apex_rules(session):
+        props = session.props
+        if found_inf or state.next_step is DOOMED or props is not None and props.api == "apex":  # (apex_rules)
             with quiet(session):  # (naming the params with inf/NaN grads runs ops)
                 finish_step(session, scaler, self.args[2], (state,), found_inf, self.args[0])
         else:  # (finish_step's clean step of amp_patch's own API)
             before = scaler._scale
-            if scaler not in state.undo_updates:
-                state.undo_updates[scaler] = scaler.memento()  # (note_update)
-            scaler.update(False)
+            scaler.update(False, state.undo_updates)  # (and note_update)
             if observe.history is not None:
                 observe.history.add(self.args[2], before, scaler._scale, False, None, scaler)
         if engine is not None:
-            engine.cache.clear()
+            engine.cache.entries.clear()  # (CastCache.clear)
+
+
+class _OpenBlock(_Block):
+    """A :class:`_Block` while it is open: one dropped unexited closes as a dropped generator's ``finally`` did."""
+
+    __slots__ = ()
 
     def __del__(self):
         if getattr(self, "phase", None) == self.OPEN:  # entered, never exited, dropped: as a generator's finally

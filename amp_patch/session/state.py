@@ -15,6 +15,7 @@ import threading
 from ..errors import UsageError
 
 _active = {"session": None, "engine": None, "allow_incoming_model_not_fp32": False}
+ACTIVE = _active  # (read-only outside this module: scale_loss reads the session without a call)
 lock = threading.RLock()
 
 

@@ -7,12 +7,14 @@ another on the same optimizer, refused on both)."""
 import contextlib
 import logging
 import random
+import sys
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import amp_patch
 from amp_patch import legacy
@@ -192,7 +194,8 @@ def _run(config, program):
 def _general_paths_only(monkeypatch):
     """Every usual-case shortcut off: the steady block, the usual step's hooks, the one-kernel unscale and check."""
     monkeypatch.setattr(scale_loss_module, "_steady_state", lambda *args: None)
-    monkeypatch.setattr(optimizer_state.OptimizerState, "_usual_pre_step", lambda self, args, kwargs: False)
+    monkeypatch.setattr(optimizer_state.OptimizerState, "_pre_step", lambda self, optimizer, args, kwargs: (
+        optimizer_state.OptimizerState._general_pre_step(self, optimizer, args, kwargs, sys._getframe(1))))
     monkeypatch.setattr(grad_protocol, "unscale_usual_", unscale.unscale_collected_)
 
 
@@ -204,23 +207,28 @@ def _config_id(config):
 @pytest.mark.parametrize("seed", range(6))
 def test_a_random_program_leaves_the_same_state_on_the_steady_and_general_paths(config, seed, monkeypatch):
     program = ["block", "step"] + _program(seed)  # (the first block takes the general path: one-time checks)
-    taken = {"block": [], "step": []}
-    steady_state, usual_pre_step = scale_loss_module._steady_state, optimizer_state.OptimizerState._usual_pre_step
+    taken = {"block": [], "step": [], "general step": []}
+    steady_state, general_pre_step = scale_loss_module._steady_state, optimizer_state.OptimizerState._general_pre_step
 
     def counting(*args):
         state = steady_state(*args)
         taken["block"].append(state is not None)
         return state
 
-    def counting_step(self, args, kwargs):
-        taken["step"].append(usual_pre_step(self, args, kwargs))
-        return taken["step"][-1]
+    def counting_general_step(self, *args):
+        taken["general step"].append(1)
+        return general_pre_step(self, *args)
 
     monkeypatch.setattr(scale_loss_module, "_steady_state", counting)
-    monkeypatch.setattr(optimizer_state.OptimizerState, "_usual_pre_step", counting_step)
-    steady = _run(config, program)
+    monkeypatch.setattr(optimizer_state.OptimizerState, "_general_pre_step", counting_general_step)
+    handle = register_optimizer_step_pre_hook(lambda *args: taken["step"].append(1))
+    try:
+        steady = _run(config, program)
+    finally:
+        handle.remove()
     assert any(taken["block"]), "the steady path never ran: this program cannot tell the two paths apart"
-    assert any(taken["step"]), "the usual step never ran: this program cannot tell the two paths apart"
+    assert len(taken["step"]) > len(taken["general step"]), ("the usual step never ran: this program cannot tell "
+                                                             "the two paths apart")
     _general_paths_only(monkeypatch)
     general = _run(config, program)
     for i, (got, want) in enumerate(zip(steady, general)):

@@ -112,9 +112,9 @@ class _Block(contextlib.ContextDecorator):
 
     def _enter_steady(self, session, loss, state, scaler):
         """:meth:`__enter__` where :func:`_steady_state` holds (what ``_begin`` would still do, in order)."""
-        unusual = type(loss) is not _Tensor or not loss.requires_grad or loss.numel() != 1 or loss.dtype is not _fp32
-        if unusual:
-            _check_loss(loss)  # (raises, unless a tensor subclass or a half loss passes)
+        unusual = type(loss) is not _Tensor or not loss.requires_grad or loss.ndim or loss.dtype is not _fp32
+        if unusual:  # (a shape of (1,) is unusual too: reading ndim, a property, costs less than calling numel())
+            _check_loss(loss)  # (raises, unless a tensor subclass, a half loss or a one-element loss passes)
         engine = session.casting.engine
         if engine is not None and (engine.paused or engine.forwards or engine.fast is not None and engine.fast.depth):
             engine.loss_begins()  # (called only where it has something to do)

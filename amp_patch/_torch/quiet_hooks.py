@@ -17,9 +17,9 @@ dict from then on.
 """
 from collections import OrderedDict
 
-import torch
+from .compat import tracing
 
-_compiling = torch.compiler.is_compiling
+_compiling = tracing
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 
 

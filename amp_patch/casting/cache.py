@@ -3,6 +3,7 @@ import threading
 
 import torch
 
+from .._torch.compat import tracing as dynamo_tracing
 from ..config.dtypes import FP32, HALF_DTYPES
 from .switch import live_while_tracing
 
@@ -74,7 +75,7 @@ def make_to_half(half_dtype, cache, disabled=None):
     get = entries.get
     get_ident = threading.get_ident
     grad_enabled = torch.is_grad_enabled
-    compiling = torch.compiler.is_compiling
+    compiling = dynamo_tracing
     tracing = torch._C._is_tracing
 
     def to_half(t):

@@ -11,6 +11,7 @@ import threading
 import torch
 
 from .._torch import dynamo_tables
+from .._torch.compat import tracing
 from .._torch.hooks import MODULE_CALL_CODE, running
 from ..patching.patcher import Patcher
 from ..patching.resolve import resolve_target
@@ -22,7 +23,7 @@ from .scopes import ScopeRuntime, passthrough, unmatched_globs
 from .wrappers import DisabledThreads, make_wrapper
 
 log = logging.getLogger("amp_patch")
-_compiling = torch.compiler.is_compiling
+_compiling = tracing
 _getframe = sys._getframe
 
 
@@ -288,13 +289,22 @@ class CastingEngine:
 
     def pause_for_step(self):
         """Optimizer math runs on fp32 params/grads: no wrapper has anything to cast there, so skip them for
-        the step (the in-place ops of an optimizer step are most of O1's per-step wrapper calls)."""
+        the step (the in-place ops of an optimizer step are most of O1's per-step wrapper calls). The usual pause
+        (native autocast off in the thread: no forward's region open) is this frame alone: the switch's ``enter``
+        and, of the fast regions' ``sync``, its one outcome there (the matching wrappers' switch on)."""
         if self.outer_calls:
             self.drop_cut_off()
         ident = threading.get_ident()
-        if ident not in self.paused:
-            self.paused.add(ident)
-            self.disabled.enter()
+        paused = self.paused
+        if ident in paused:
+            return
+        paused.add(ident)
+        disabled, fast = self.disabled, self.fast
+        if fast is None or type(disabled) is not DisabledThreads or ident in fast.saved:
+            disabled.enter()
+            return
+        disabled[ident] = disabled.get(ident, 0) + 1  # (DisabledThreads.enter)
+        fast.bypass[ident] = 1  # (FastRegions.sync with native off in the thread and casting off)
 
     def in_step(self):
         """Whether this thread is inside an optimizer step's pause (the trace leaves those calls out)."""
@@ -302,11 +312,25 @@ class CastingEngine:
 
     def resume_after_step(self):
         """End a step pause; also called before each forward of the models and on scale_loss entry, so a step
-        that raised cannot leave casting off in this thread."""
+        that raised cannot leave casting off in this thread. The usual resume (no forward open in the thread) is
+        this frame alone, as :meth:`pause_for_step`'s pause."""
         paused = self.paused
-        if paused and threading.get_ident() in paused:
-            paused.discard(threading.get_ident())
-            self.disabled.exit()
+        if not paused:
+            return
+        ident = threading.get_ident()
+        if ident not in paused:
+            return
+        paused.discard(ident)
+        disabled, fast = self.disabled, self.fast
+        if fast is None or type(disabled) is not DisabledThreads or ident in fast.depth or ident in fast.saved:
+            disabled.exit()
+            return
+        depth = disabled[ident] - 1  # (DisabledThreads.exit, then FastRegions.sync with no forward open)
+        if depth:
+            disabled[ident] = depth
+        else:
+            del disabled[ident]
+            fast.bypass.pop(ident, None)
 
     def casts_disabled(self):
         """A context manager: the body runs with casting off in this thread (re-entrant, exception-safe)."""

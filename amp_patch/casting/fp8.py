@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from .._torch.compat import tracing
 from ..config.fp8 import FP8_OPS
 from .fp8_numerics import ScaledMatmul, quantize_weight
 
@@ -26,7 +27,7 @@ ALIGN = 16  # the scaled matmul's size rule (CUDA): every dimension a multiple o
 _QUANTIZABLE = frozenset((torch.float32, torch.float16, torch.bfloat16))
 _TENSOR_TYPES = frozenset((Tensor, Parameter))
 _get_ident = threading.get_ident
-_compiling = torch.compiler.is_compiling
+_compiling = tracing
 _tracing = torch._C._is_tracing
 _no_grad = torch.no_grad
 _mode_enabled = torch._C._is_torch_function_mode_enabled

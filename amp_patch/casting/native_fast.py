@@ -21,6 +21,7 @@ import threading
 
 import torch
 
+from .._torch.compat import tracing
 from .switch import DisabledThreads
 
 _get_ident = threading.get_ident
@@ -29,7 +30,7 @@ _set_enabled, _set_dtype = torch.set_autocast_enabled, torch.set_autocast_dtype
 _is_enabled, _get_dtype = torch._C.is_autocast_enabled, torch._C.get_autocast_dtype
 _clear_native_cache = torch.clear_autocast_cache
 _increment_nesting, _decrement_nesting = torch.autocast_increment_nesting, torch.autocast_decrement_nesting
-_compiling = torch.compiler.is_compiling
+_compiling = tracing
 
 
 class FastRegions:

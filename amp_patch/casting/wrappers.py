@@ -14,6 +14,7 @@ import threading
 
 import torch
 
+from .._torch.compat import tracing
 from ..config.dtypes import FLOAT_DTYPES, HALF_DTYPES
 from ..errors import BannedOpError, CastError
 from .cache import CastCache, Tensor, make_to_half  # noqa: F401 - the cast cache and its caster (re-exported)
@@ -26,7 +27,7 @@ _promote_types = torch.promote_types
 
 
 _thread_ident = threading.get_ident
-_compiling = torch.compiler.is_compiling
+_compiling = tracing
 
 
 @torch.compiler.assume_constant_result

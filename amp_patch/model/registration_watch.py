@@ -3,8 +3,9 @@ model, and the modules built outside it that may have joined it without a hook).
 import threading
 import weakref
 
-import torch
 from torch.nn.modules import module as _module_mod
+
+from .._torch.compat import tracing
 
 
 class RegistrationWatch:
@@ -77,7 +78,7 @@ class RegistrationWatch:
         return members
 
     def _bump(self, module, *args):
-        if self.compiled or torch.compiler.is_compiling():
+        if self.compiled or tracing():
             self.generation += 1
             return
         members = self.member_ids()
@@ -88,7 +89,7 @@ class RegistrationWatch:
                 self._suspect(module)
 
     def _buffer_registered(self, module, name, buffer):
-        if self.compiled or torch.compiler.is_compiling():
+        if self.compiled or tracing():
             self.generation += 1
             return
         members = self.member_ids()

@@ -17,6 +17,7 @@ import types
 
 import torch
 
+from .._torch.compat import tracing
 from .._torch.hooks import (  # noqa: F401 (InertHook: pickles name it here)
     FAST_PATH_TYPES,
     ForwardHook,
@@ -129,7 +130,7 @@ class CastInputs(ForwardHook):
         dtype = self.like.dtype(self.dtype)
         self.like.check(module, dtype)
         watch = self.watch
-        watch.at_call(torch.compiler.is_compiling())
+        watch.at_call(tracing())
         if watch.generation != self.checked:
             _check_dtypes(module, dtype, self.keep_types)
             self.checked = self.watch.generation
@@ -173,7 +174,7 @@ class CastOutputs(ForwardHook):
     def entered(self):
         """A call starts (from :class:`EnterCall`, which torch's module call runs). One found in progress whose
         frame is gone was cut off (Ctrl-C skips the always-called hooks): this call is the outermost."""
-        if not torch.compiler.is_compiling():
+        if not tracing():
             depths, ident = self.depths, threading.get_ident()
             frames = self.__dict__.setdefault("frames", {})
             depth = depths.get(ident, 0)
@@ -185,7 +186,7 @@ class CastOutputs(ForwardHook):
 
     def __call__(self, module, args, out):
         depths = getattr(self, "depths", None)
-        if depths is not None and not torch.compiler.is_compiling():
+        if depths is not None and not tracing():
             ident = threading.get_ident()
             depth = depths.pop(ident, 0)
             frames = self.__dict__.get("frames", {})

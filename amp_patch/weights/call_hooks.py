@@ -11,11 +11,10 @@ always-called hooks): its copies are dropped before the new call (:meth:`~.compu
 import sys
 import threading
 
-import torch
-
+from .._torch.compat import tracing
 from .._torch.hooks import SessionHook, module_call_frame, running
 
-_compiling = torch.compiler.is_compiling
+_compiling = tracing
 
 
 class Install(SessionHook):

@@ -37,6 +37,7 @@ import torch
 from torch.nn.modules import module as _module_mod
 
 from .._torch import quiet_hooks
+from .._torch.compat import tracing
 from .._torch.hooks import FAST_PATH_TYPES, running
 from ..config.dtypes import FLOAT_DTYPES
 from ..errors import UsageError
@@ -47,7 +48,7 @@ from .write_back import renorms, write_back
 
 #: How long ``remove`` (deinitialize) waits for calls other threads started just before it to end, polling.
 DRAIN_S, POLL_S = 60.0, 0.0005
-_compiling = torch.compiler.is_compiling
+_compiling = tracing
 _RNN = torch.nn.RNNBase
 LIVE = []  # the attached ComputeCopies (recompute_copies re-enters their calls)
 _ANY = object()  # uninstall(): whichever module started the call
@@ -127,7 +128,7 @@ class ComputeCopies:
                 if p is not None and p.dtype in FLOAT_DTYPES:
                     slots.append((module, name))
         self.slots[:] = slots
-        if not torch.compiler.is_compiling():
+        if not tracing():
             self.members = {id(m) for m in self.model.modules()}
             for module, _ in slots:
                 if thread_params.install(module, self):

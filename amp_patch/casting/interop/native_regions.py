@@ -26,6 +26,8 @@ import threading
 import torch
 from torch.amp import autocast_mode
 
+from ..._torch.compat import tracing
+
 _get_ident = threading.get_ident
 
 
@@ -99,7 +101,7 @@ def _answer_any(original, engine):
 def _answer_custom_fwd(original, engine):
     """``torch.is_autocast_enabled`` that, asked by ``custom_fwd``'s inner function, also says whether amp_patch
     casts in this thread for ``engine.device_type`` (torch's answer everywhere else)."""
-    disabled, device_type, compiling = engine.disabled, engine.device_type, torch.compiler.is_compiling
+    disabled, device_type, compiling = engine.disabled, engine.device_type, tracing
 
     def is_autocast_enabled(*args, **kwargs):
         answer = original(*args, **kwargs)

@@ -289,9 +289,10 @@ class CastingEngine:
 
     def pause_for_step(self):
         """Optimizer math runs on fp32 params/grads: no wrapper has anything to cast there, so skip them for
-        the step (the in-place ops of an optimizer step are most of O1's per-step wrapper calls). The usual pause
-        (native autocast off in the thread: no forward's region open) is this frame alone: the switch's ``enter``
-        and, of the fast regions' ``sync``, its one outcome there (the matching wrappers' switch on)."""
+        the step (the in-place ops of an optimizer step are most of O1's per-step wrapper calls). In this one frame:
+        the switch's ``enter`` and the fast regions' ``sync``, whose one outcome with native off in the thread (no
+        forward's region open: the usual pause) is the matching wrappers' switch on. The pause is recorded first and
+        :meth:`resume_after_step` undoes only what is there: an interrupt (Ctrl-C) anywhere leaves it undoable."""
         if self.outer_calls:
             self.drop_cut_off()
         ident = threading.get_ident()
@@ -300,11 +301,15 @@ class CastingEngine:
             return
         paused.add(ident)
         disabled, fast = self.disabled, self.fast
-        if fast is None or type(disabled) is not DisabledThreads or ident in fast.saved:
+        if type(disabled) is not DisabledThreads:  # (a closed switch: its enter does nothing)
             disabled.enter()
             return
         disabled[ident] = disabled.get(ident, 0) + 1  # (DisabledThreads.enter)
-        fast.bypass[ident] = 1  # (FastRegions.sync with native off in the thread and casting off)
+        if fast is not None:
+            if ident in fast.saved:
+                fast.sync(ident)
+            else:
+                fast.bypass[ident] = 1  # (FastRegions.sync with native off in the thread and casting off)
 
     def in_step(self):
         """Whether this thread is inside an optimizer step's pause (the trace leaves those calls out)."""
@@ -312,25 +317,30 @@ class CastingEngine:
 
     def resume_after_step(self):
         """End a step pause; also called before each forward of the models and on scale_loss entry, so a step
-        that raised cannot leave casting off in this thread. The usual resume (no forward open in the thread) is
-        this frame alone, as :meth:`pause_for_step`'s pause."""
+        that raised cannot leave casting off in this thread. One frame, as :meth:`pause_for_step`'s (the switch's
+        ``exit``; the fast regions' ``sync`` where a forward is open in the thread, else its outcome)."""
         paused = self.paused
         if not paused:
             return
         ident = threading.get_ident()
         if ident not in paused:
             return
-        paused.discard(ident)
         disabled, fast = self.disabled, self.fast
-        if fast is None or type(disabled) is not DisabledThreads or ident in fast.depth or ident in fast.saved:
+        if type(disabled) is not DisabledThreads:
+            paused.discard(ident)
             disabled.exit()
             return
-        depth = disabled[ident] - 1  # (DisabledThreads.exit, then FastRegions.sync with no forward open)
-        if depth:
+        depth = disabled.get(ident, 0) - 1  # (DisabledThreads.exit; none to end where an interrupt cut the pause)
+        if depth > 0:
             disabled[ident] = depth
         else:
-            del disabled[ident]
-            fast.bypass.pop(ident, None)
+            disabled.pop(ident, None)
+        if fast is not None:
+            if ident in fast.depth or ident in fast.saved:
+                fast.sync(ident)
+            elif depth <= 0:
+                fast.bypass.pop(ident, None)
+        paused.discard(ident)  # (last: an interrupt before leaves the pause to end again)
 
     def casts_disabled(self):
         """A context manager: the body runs with casting off in this thread (re-entrant, exception-safe)."""

@@ -67,12 +67,11 @@ class FastRegions:
             if ident in engine.disabled or engine.native_regions.get(ident) or engine.tracer is not None:
                 self.sync(ident)
                 return
-            saved = []  # (sync's usual case, _turn_on inline: every forward of a session model opens here)
+            saved = self.saved[ident] = []  # (sync's usual case, _turn_on inline: every forward opens here)
             for device in self.device_types:
                 saved.append((device, _is_enabled(device), _get_dtype(device)))
                 _set_dtype(device, self.half_dtype)
                 _set_enabled(device, True)
-            self.saved[ident] = saved
             self.bypass[ident] = 1
 
     def close(self):
@@ -85,11 +84,12 @@ class FastRegions:
             self.depth[ident] = depth
             return
         if self.depth.pop(ident, None) is not None:  # (_end and sync's case of no forward left, in this frame:
-            saved = self.saved.pop(ident, None)      # every forward of a session model ends here)
+            saved = self.saved.get(ident)            # every forward of a session model ends here)
             if saved is not None:  # (_turn_off inline)
                 for device, enabled, dtype in saved:
                     _set_enabled(device, enabled)
                     _set_dtype(device, dtype)
+                del self.saved[ident]
             if ident in self.engine.disabled:
                 self.bypass[ident] = 1
             else:
@@ -150,17 +150,19 @@ class FastRegions:
                 self.bypass.pop(ident, None)
 
     def _turn_on(self, ident):  # (inline in open_eager: keep the two alike)
-        saved = []
+        """Native on in this thread. The state found is recorded before it changes, and :meth:`_turn_off` forgets it
+        only once restored: an interrupt (Ctrl-C) anywhere in between leaves what changed undoable."""
+        saved = self.saved[ident] = []
         for device in self.device_types:  # (one loop, no comprehension frame: every forward turns native on)
             saved.append((device, _is_enabled(device), _get_dtype(device)))
             _set_dtype(device, self.half_dtype)
             _set_enabled(device, True)
-        self.saved[ident] = saved
 
     def _turn_off(self, ident):  # (inline in close_eager: keep the two alike)
-        for device, enabled, dtype in self.saved.pop(ident):
+        for device, enabled, dtype in self.saved[ident]:
             _set_enabled(device, enabled)
             _set_dtype(device, dtype)
+        del self.saved[ident]
 
     def clear(self):
         if self.depth.pop(_get_ident(), None) is not None:

@@ -383,7 +383,9 @@ def deinitialize():
     """Undo ``initialize``: remove every patch and hook, restore models and optimizers. Safe to call twice.
 
     Every undo step runs even if one fails (or is interrupted); the session then stays current with the steps
-    that failed, so calling ``deinitialize()`` again finishes the job."""
+    that failed, so calling ``deinitialize()`` again finishes the job. It also finishes the closing of an
+    ``autocast()`` region that an interrupt cut short."""
+    _state.finish_closes()
     session = _state.current()
     if session is None:
         return  # an open autocast() region (no session) keeps its engine: it removes its own patches on exit

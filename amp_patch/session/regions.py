@@ -73,23 +73,30 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         return frames
 
     def __enter__(self):
-        stack = contextlib.ExitStack()
         engine = _state.active_engine()
         if engine is not None and self.enabled and self.explicit_dtype not in (None, engine.half_dtype):
             raise UsageError(f"amp_patch.autocast(dtype={self.explicit_dtype}) inside a session that casts to "
                              f"{engine.half_dtype}; a region cannot switch the half dtype: drop dtype, or "
                              "initialize with half_dtype=" + str(self.explicit_dtype))
-        if engine is not None and not self.enabled:
-            stack.enter_context(engine.casts_disabled())
-        elif engine is not None:
-            engine.enter_region()  # the cast cache serves the region; torch.autocast drops its cache as a
-            stack.callback(engine.exit_region)  # region exits: so does this
-        elif engine is None and self.enabled:
-            stack.callback(self._open_region())
-        self._frames().append(stack)
+        stack, frames = contextlib.ExitStack(), self._frames()
+        try:  # each undo is on the stack before its step acts: an interrupt (Ctrl-C) anywhere leaves nothing open
+            if engine is not None and not self.enabled:
+                stack.enter_context(engine.casts_disabled())
+            elif engine is not None:
+                stack.callback(engine.exit_region)  # the cast cache serves the region; torch.autocast drops its
+                engine.enter_region()  # cache as a region exits: so does this
+            elif engine is None and self.enabled:
+                self._open_region(stack)
+            frames.append(stack)
+        except BaseException:
+            if frames and frames[-1] is stack:
+                frames.pop()
+            stack.close()
+            raise
         return self
 
-    def _open_region(self):
+    def _open_region(self, stack):
+        """This thread's own engine for the region (no session's is active); its undo goes on ``stack`` first."""
         from .user_functions import REGISTRY
 
         engine = CastingEngine(_table_for(self.op_lists), half_dtype=self.half_dtype,
@@ -101,23 +108,22 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
                           "use scopes", UserWarning, stacklevel=3)
         loading = Patcher()
 
-        def close():
+        def close():  # (an interrupt inside leaves it to deinitialize(), which runs it again)
+            _state.closing(close)
             with _state.lock:
-                _state.set_region_engine(None)
+                if _state.active_engine() is engine:
+                    _state.set_region_engine(None)
                 loading.restore_all()
                 engine.uninstall()
+            _state.closed(close)
 
+        stack.callback(close)
         with _state.lock:
-            try:
-                engine.install()
-                data_loading.install(engine, loading)
-                _state.set_region_engine(engine)  # an O0/O2/O3 session (no engine of its own) stays the active one
-            except BaseException:  # (an interrupt after a patch: nothing stays behind)
-                close()
-                raise
+            engine.install()
+            data_loading.install(engine, loading)
+            _state.set_region_engine(engine)  # an O0/O2/O3 session (no engine of its own) stays the active one
+        stack.callback(engine.exit_region)
         engine.enter_region()
-
-        return close
 
     def __exit__(self, *exc):
         self._frames().pop().close()

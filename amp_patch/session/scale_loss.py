@@ -28,6 +28,10 @@ def _optimizer_list(optimizers):
     for opt in items:
         if not isinstance(opt, torch.optim.Optimizer):
             raise ConfigError(f"scale_loss expects an optimizer or a list of optimizers; got {type(opt).__name__}")
+    if len({id(opt) for opt in items}) != len(items):  # (its grads would be unscaled once per listing)
+        names = [type(opt).__name__ for opt in items]
+        raise UsageError(f"scale_loss got an optimizer listed twice ({names}); list each optimizer once: "
+                         "scale_loss(loss, [opt_a, opt_b])")
     return items
 
 
@@ -138,9 +142,9 @@ class _Block(contextlib.ContextDecorator):
     def _leave(self):
         """What every end of an open block does, raised or not: the optimizers are no longer in a block, the probe
         goes, grads written into optimizers the block did not name are noted (none on the steady path)."""
-        self.phase = self.DONE
         steady, probe = self.steady, self.probe
         _mark_open((steady,) if steady is not None else self.states, False, self.ident)
+        self.phase = self.DONE  # (after: a block interrupted before is still open, and dropping it leaves again)
         if probe is not None:
             probe.remove()
         if steady is None:
@@ -181,8 +185,8 @@ class _Block(contextlib.ContextDecorator):
         """:meth:`__exit__` of a steady block that raised nothing and has no probe: :meth:`_leave`, then
         :meth:`_end_steady`, in as few frames as the usual step allows (after backward each costs 1-2 us). The
         bookkeeping runs no op a casting wrapper could see, so it runs without the quiet switch where nothing else
-        would notice its absence."""
-        self.phase = self.DONE
+        would notice its absence. The block is DONE once the optimizer left it (an interrupt before: still open,
+        and dropping it leaves again)."""
         session, scaler = self.session, self.scaler
         observe, engine = session.observe, session.casting.engine
         # The quiet path as before where it matters: set-aside grads come back through add_; a closure's overflow
@@ -191,9 +195,11 @@ class _Block(contextlib.ContextDecorator):
         if (observe.diagnoser is not None or state.set_aside or state.stepping
                 or engine is not None and (engine.tracer is not None or engine.fast is not None and engine.fast.depth)):
             _mark_open((state,), False, self.ident)
+            self.phase = self.DONE
             self._end_steady()
             return
         found_inf = state.close_block(scaler, self.ident)
+        self.phase = self.DONE
         props = session.props
         if found_inf or state.next_step is DOOMED or props is not None and props.api == "apex":  # (apex_rules)
             with quiet(session):  # (naming the params with inf/NaN grads runs ops)

@@ -54,6 +54,24 @@ def deactivate():
         _active["session"] = None
 
 
+_unfinished = {}  # id -> an autocast() region's close that an interrupt (Ctrl-C) cut short
+
+
+def closing(close):
+    """``close`` (an ``autocast()`` region's undo) starts: kept until :func:`closed`, for :func:`finish_closes`."""
+    _unfinished[id(close)] = close
+
+
+def closed(close):
+    _unfinished.pop(id(close), None)
+
+
+def finish_closes():
+    """Run again each region's close an interrupt cut short (``deinitialize()``: it finishes what is left)."""
+    for close in list(_unfinished.values()):
+        close()
+
+
 def set_region_engine(engine):
     """An ``autocast()`` region's engine on (or, with None, off); the session, if any, stays the active one."""
     with lock:

@@ -12,7 +12,7 @@ import sys
 import threading
 
 from .._torch.compat import tracing
-from .._torch.hooks import SessionHook, module_call_frame, running
+from .._torch.hooks import MODULE_CALL_CODE, SessionHook, running
 
 _compiling = tracing
 
@@ -35,9 +35,9 @@ class Install(SessionHook):
                     call.depth += 1  # (a recursive call)
                     return
                 owner.drop_stale()  # (the call in progress was cut off: its frame is gone)
-            owner.install(module)
+            frame = sys._getframe(1)  # (module_call_frame(0): torch's call running this hook)
+            owner.install(module, frame if frame.f_code is MODULE_CALL_CODE else None)
             if call.depth == 1 and call.called is module:
-                call.frame = module_call_frame(1)
                 owner.ensure_restore(module)
             return
         owner.install(module)

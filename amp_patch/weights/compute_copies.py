@@ -65,7 +65,6 @@ class ComputeCopies:
         self.generation = None
         self.call = ThreadCall()
         self.traced = TracedCall()
-        self.lock = threading.Lock()
         self.calls = {}  # thread ident -> depth of its call in progress
         self.live = False
         self.overlaid = {}  # id(module) -> module given a ThreadParams
@@ -172,16 +171,20 @@ class ComputeCopies:
             state = self.traced
         return state.called if state.depth else None
 
-    def install(self, called=None):
+    def install(self, called=None, frame=None):
         """A call of ``called`` (the model, or a module owning cast params) starts: the outermost one copies.
         Inside a call only the module that started it counts its calls (a recursive forward); the others' hooks do
         nothing, so a pair of hooks that third-party code split (``fuse_modules`` moves a module's pre-hooks, not
-        its hooks, to the fused module) cannot leave a call open."""
+        its hooks, to the fused module) cannot leave a call open. ``frame``: torch's call running the hook (None:
+        unknown), the outermost call's, recorded before anything else (an interrupt later in this call leaves a
+        call the next one finds cut off)."""
         if not self.live:  # (a call that saw the hooks before deinitialize removed them)
             return
         state = self._state()
         if state.depth and called is not state.called:
             return
+        if not state.depth and state is self.call:
+            state.frame = frame
         state.depth += 1
         if state.depth == 1:
             if state is self.call:
@@ -217,11 +220,11 @@ class ComputeCopies:
             if params is not last:
                 last = params
                 overlay = params.overlay() if type(params) is thread_params.ThreadParams else None
-            if overlay is not None:
+            swapped.append((module, params, name, p, copy, copy._version))  # (first: an interrupt leaves none
+            if overlay is not None:                                          # that _put_back does not know)
                 overlay[name] = copy
             else:  # (a module added since the last collect, not yet overlaid: collected again next call)
                 params[name] = copy
-            swapped.append((module, params, name, p, copy, copy._version))
             if isinstance(module, _RNN):  # (its _flat_weights follow the swap)
                 touched.add(module)
         if touched:
@@ -238,8 +241,8 @@ class ComputeCopies:
             copy = copies.get(id(p))
             if copy is None:
                 copy = copies[id(p)] = p.to(self.dtype)
-            dict.__setitem__(params, name, copy)
             state.swapped.append((module, params, name, p, copy, None))
+            dict.__setitem__(params, name, copy)
         thread_params.refresh_flat_weights({m for m, _ in slots})
 
     def uninstall(self, output=None, called=_ANY):
@@ -292,12 +295,12 @@ class ComputeCopies:
 
     def count_call(self, depth):
         """Note whether this thread is in a call (``depth`` 0 or 1: the outermost call starts or ends; deinitialize
-        waits for and refuses around other threads' calls)."""
-        with self.lock:
-            if depth:
-                self.calls[threading.get_ident()] = depth
-            else:
-                self.calls.pop(threading.get_ident(), None)
+        waits for and refuses around other threads' calls). One dict write, atomic under the GIL: no lock, which
+        an interrupt (Ctrl-C) landing as a ``with lock:`` acquires could leave held for every later call."""
+        if depth:
+            self.calls[threading.get_ident()] = depth
+        else:
+            self.calls.pop(threading.get_ident(), None)
 
     def resume(self, called, kept):
         """Context manager: a generator's resumption runs in its call again, on the call's copies ``kept``."""
@@ -314,8 +317,7 @@ class ComputeCopies:
         self._put_back(self.traced)
         self.call.depth = self.traced.depth = 0
         self.call.frame = None
-        with self.lock:
-            self.calls.pop(threading.get_ident(), None)
+        self.calls.pop(threading.get_ident(), None)
 
     def _put_back(self, state):
         """Drop this thread's copies (a slot the forward re-assigned keeps what it was given), writing back into
@@ -342,9 +344,8 @@ class ComputeCopies:
             thread_params.refresh_flat_weights(touched)
 
     def busy_threads(self):
-        """Idents of the threads with a call of the model in progress."""
-        with self.lock:
-            return [ident for ident, depth in self.calls.items() if depth]
+        """Idents of the threads with a call of the model in progress (``list()`` copies the dict in one step)."""
+        return [ident for ident, depth in list(self.calls.items()) if depth]
 
     def remove(self):
         """Remove the hooks, wait for calls other threads started before (their copies must outlive them), put
@@ -367,8 +368,8 @@ class ComputeCopies:
         me, deadline = threading.get_ident(), time.monotonic() + DRAIN_S
         while any(ident != me for ident in self.busy_threads()):
             alive = {t.ident for t in threading.enumerate()}
-            with self.lock:  # (a thread that died inside a call will not end it)
-                self.calls = {i: d for i, d in self.calls.items() if i in alive}
+            for ident in [i for i in list(self.calls) if i not in alive]:  # (a thread that died inside a call
+                self.calls.pop(ident, None)                                # will not end it)
             if time.monotonic() > deadline:
                 raise UsageError(f"deinitialize(): the call of the {type(self.model).__name__} that thread(s) "
                                  f"{self.busy_threads()} started did not end in {DRAIN_S:.0f} s. Stop the "

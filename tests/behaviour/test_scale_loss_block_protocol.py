@@ -1,6 +1,6 @@
 """A ``scale_loss(...)`` object behaves as the generator-based context manager it replaced: one block per call,
-usable as a decorator, closed when dropped while open, refused when exited without being entered; and what it
-runs on exit stays out of ``trace()``'s report."""
+usable as a decorator, closed when dropped while open, refused when exited without being entered or given one
+optimizer twice; and what it runs on exit stays out of ``trace()``'s report."""
 import gc
 
 import pytest
@@ -55,6 +55,17 @@ def test_one_scale_loss_object_is_one_block(session):
         with block as scaled:
             scaled.backward()
     assert len(amp_patch.history()) == 1
+
+
+def test_an_optimizer_listed_twice_is_refused(session):
+    """Its grads would be unscaled once per listing (65536x too small at fp16's first scale), and the step taken."""
+    model, optimizer = session
+    with pytest.raises(UsageError, match=r"optimizer listed twice \(\['SGD', 'SGD'\]\); list each optimizer once"):
+        with amp_patch.scale_loss(_loss(model), [optimizer, optimizer]) as scaled:
+            scaled.backward()
+    optimizer.zero_grad()
+    with amp_patch.scale_loss(_loss(model), [optimizer]) as scaled:  # (nothing left open)
+        scaled.backward()
 
 
 def test_as_a_decorator_each_call_is_its_own_block(session):

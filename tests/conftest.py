@@ -50,8 +50,11 @@ def sigint_raises_keyboard_interrupt():
 
 
 def _native_autocast():
-    """This thread's native CPU autocast switch and dtype, read from torch's C++ state."""
-    return torch._C.is_autocast_enabled("cpu"), torch._C.get_autocast_dtype("cpu")
+    """This thread's native CPU autocast switch, dtype and nesting count, read from torch's C++ state (the count by
+    taking one and giving it back): a count left off by one keeps native's cast cache past a region's exit."""
+    nesting = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return torch._C.is_autocast_enabled("cpu"), torch._C.get_autocast_dtype("cpu"), nesting
 
 
 @pytest.fixture(autouse=True)
@@ -67,6 +70,10 @@ def no_patch_leaks():
     if native_after != native:  # (put back, so that one leak does not fail every later test)
         torch._C.set_autocast_enabled("cpu", native[0])
         torch._C.set_autocast_dtype("cpu", native[1])
+        for _ in range(native_after[2] - native[2]):
+            torch.autocast_decrement_nesting()
+        for _ in range(native[2] - native_after[2]):
+            torch.autocast_increment_nesting()
     assert native_after == native, f"native autocast state left changed in the thread: {native} -> {native_after}"
     assert not stray_region, "an amp_patch.autocast() region was left open"
     assert not registry.installed(), f"patches still registered: {registry.installed()[:20]}"

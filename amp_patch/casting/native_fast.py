@@ -42,6 +42,8 @@ class FastRegions:
         self.half_dtype = engine.half_dtype
         self.depth = {}  # ident -> open session-model forwards that asked for a fast region
         self.saved = {}  # ident -> the native state found when the region turned native on
+        self.nested = set()  # idents whose region holds one of native's nesting counts (recorded before it is
+        # taken, forgotten after it is given back, never given back below 0: an interrupt anywhere leaves none held)
         self.bypass = DisabledThreads()  # the matching wrappers' switch: threads with casting off or a fast region
         self.bypass.update(engine.disabled)
         engine.disabled.on_change = self.sync
@@ -59,8 +61,10 @@ class FastRegions:
         """:meth:`open` for thread ``ident`` (this one), its caller having checked that dynamo is not tracing."""
         depth = self.depth.get(ident, 0)
         self.depth[ident] = depth + 1
-        if not depth:
-            _increment_nesting()
+        if not depth:  # (_hold_nesting inline)
+            if ident not in self.nested:
+                self.nested.add(ident)
+                _increment_nesting()
             _clear_native_cache()
         if ident not in self.saved:
             engine = self.engine
@@ -94,14 +98,20 @@ class FastRegions:
                 self.bypass[ident] = 1
             else:
                 self.bypass.pop(ident, None)
-            if _decrement_nesting() <= 0:
-                _clear_native_cache()
+            if ident in self.nested:  # (_release_nesting inline)
+                left = _decrement_nesting()
+                self.nested.discard(ident)
+                if left <= 0:
+                    if left < 0:
+                        _increment_nesting()
+                    _clear_native_cache()
 
     def forget_dead_thread(self, ident):
         """A dead thread's region under ``ident``, reused by this thread: its depth, saved state and switch go
         without restoring anything (native state is per thread: the dead thread's went with it)."""
         self.depth.pop(ident, None)
         self.saved.pop(ident, None)
+        self.nested.discard(ident)
         if ident not in self.engine.disabled:
             self.bypass.pop(ident, None)
 
@@ -109,16 +119,18 @@ class FastRegions:
         """This thread's forwards are over (one that raised may have left its region open)."""
         ident = _get_ident()
         if self.depth.pop(ident, None) is not None:
-            self._end(ident)
+            self.sync(ident)
+        self._release_nesting(ident)
 
-    def _end(self, ident):
-        self.sync(ident)
-        self._end_nesting()
-
-    @staticmethod
-    def _end_nesting():
-        if _decrement_nesting() <= 0:
-            _clear_native_cache()
+    def _release_nesting(self, ident):
+        """Give back the nesting count this thread's region holds, if any (see ``nested``)."""
+        if ident in self.nested:
+            left = _decrement_nesting()
+            self.nested.discard(ident)
+            if left <= 0:
+                if left < 0:  # (an interrupt between the record and the count taken: none was held)
+                    _increment_nesting()
+                _clear_native_cache()
 
     # the state machine
 
@@ -165,8 +177,9 @@ class FastRegions:
         del self.saved[ident]
 
     def clear(self):
-        if self.depth.pop(_get_ident(), None) is not None:
-            self._end_nesting()
+        self.depth.pop(_get_ident(), None)
+        self._release_nesting(_get_ident())
+        self.nested.clear()
         self.depth.clear()
         if _get_ident() in self.saved:
             self._turn_off(_get_ident())

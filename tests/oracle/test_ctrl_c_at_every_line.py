@@ -1,7 +1,8 @@
 """A Ctrl-C at any line amp_patch runs in a training step, or as an ``amp_patch.autocast()`` region opens, leaves
 nothing behind: the interrupted step is dropped (``zero_grad()``), two more steps run, and the forward then computes
 bitwise what native autocast (O1) or O2's casts written out compute on the same weights; deinitialize ends the
-session, and then no patch is left, native autocast's switch and dtype are as they were, the params are fp32.
+session, and then no patch is left, native autocast's switch, dtype and nesting count are as they were, the params are
+fp32.
 
 The interrupt is a ``KeyboardInterrupt`` raised from a trace function at the n-th line event of amp_patch's own
 code, for every n of the step or of the region's ``__enter__`` (CI runs every 5th, from an offset per setup;
@@ -74,7 +75,10 @@ def _step(model, opt, x, y):
 
 
 def _native():
-    return torch._C.is_autocast_enabled("cpu"), torch._C.get_autocast_dtype("cpu")
+    """This thread's native autocast switch, dtype and nesting count (read by taking one and giving it back)."""
+    nesting = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return torch._C.is_autocast_enabled("cpu"), torch._C.get_autocast_dtype("cpu"), nesting
 
 
 def _interrupted_run(setup, at):

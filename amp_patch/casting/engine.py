@@ -277,8 +277,7 @@ class CastingEngine:
         ident = threading.get_ident()
         paused = self.paused
         if paused and ident in paused:
-            paused.discard(ident)
-            self.disabled.exit()
+            self.resume_after_step()  # (its undo of a pause an interrupt cut short)
         forwards = self.forwards
         if forwards:
             forwards.pop(ident, None)

@@ -53,25 +53,33 @@ class _HandScaleLoss:
         self.state["skip"] = bool(self.found.item())
 
 
-def _hand_o1(model, optimizer, x, y, args, clock):
-    """The least an O1 step with amp_patch's design does, inline: a forward pre-hook and an always-called hook on the
-    model switching native autocast on for its forward (the root takes torch's slow call path, as under amp_patch),
-    the loss cast to fp32 outside it, a class-block ``scale_loss`` doing only the check, a one-frame step wrapper
-    that pauses casting. Returns the median step, as ``bench_small_step._steps``."""
-    prior, paused, state = [], set(), {"skip": False}
+def hand_o1_hooks(model, dtype):
+    """hand O1's forward hooks on ``model``: native autocast on for its forward with torch's C functions (the root
+    takes torch's slow call path, as under amp_patch). Returns the handles."""
+    prior = []
 
     def pre(module, inputs):
         prior.append((_C.is_autocast_enabled("cpu"), _C.get_autocast_dtype("cpu")))
-        _C.set_autocast_dtype("cpu", args.dtype)
+        _C.set_autocast_dtype("cpu", dtype)
         _C.set_autocast_enabled("cpu", True)
         _C.autocast_increment_nesting()
 
     def post(module, inputs, output):
         if _C.autocast_decrement_nesting() == 0:
             _C.clear_autocast_cache()
-        enabled, dtype = prior.pop()
+        enabled, saved = prior.pop()
         _C.set_autocast_enabled("cpu", enabled)
-        _C.set_autocast_dtype("cpu", dtype)
+        _C.set_autocast_dtype("cpu", saved)
+
+    return [model.register_forward_pre_hook(pre), model.register_forward_hook(post, always_call=True)]
+
+
+def _hand_o1(model, optimizer, x, y, args, clock):
+    """The least an O1 step with amp_patch's design does, inline: a forward pre-hook and an always-called hook on the
+    model switching native autocast on for its forward (the root takes torch's slow call path, as under amp_patch),
+    the loss cast to fp32 outside it, a class-block ``scale_loss`` doing only the check, a one-frame step wrapper
+    that pauses casting. Returns the median step, as ``bench_small_step._steps``."""
+    paused, state = set(), {"skip": False}
 
     def step():
         paused.add(0)
@@ -80,7 +88,7 @@ def _hand_o1(model, optimizer, x, y, args, clock):
         finally:
             paused.discard(0)
 
-    handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post, always_call=True)]
+    handles = hand_o1_hooks(model, args.dtype)
     scale_loss, times = _HandScaleLoss(list(model.parameters()), state), []
     try:
         for i in range(args.steps + 10):

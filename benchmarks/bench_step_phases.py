@@ -23,40 +23,19 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import _C
 
 PHASES = ("zero_grad", "forward", "loss", "enter", "backward", "exit", "step")
 VARIANTS = ("native", "hand O1", "O1", "O2")
 
 
-def _hooks(model, dtype):
-    """hand O1's forward hooks (bench_floor's): native autocast on for the model's forward, through torch._C."""
-    prior = []
-
-    def pre(module, inputs):
-        prior.append((_C.is_autocast_enabled("cpu"), _C.get_autocast_dtype("cpu")))
-        _C.set_autocast_dtype("cpu", dtype)
-        _C.set_autocast_enabled("cpu", True)
-        _C.autocast_increment_nesting()
-
-    def post(module, inputs, output):
-        if _C.autocast_decrement_nesting() == 0:
-            _C.clear_autocast_cache()
-        enabled, saved = prior.pop()
-        _C.set_autocast_enabled("cpu", enabled)
-        _C.set_autocast_dtype("cpu", saved)
-
-    return [model.register_forward_pre_hook(pre), model.register_forward_hook(post, always_call=True)]
-
-
 def _phases(variant, model, opt, x, y, steps, dtype):
-    from bench_floor import _HandScaleLoss
+    from bench_floor import _HandScaleLoss, hand_o1_hooks
 
     import amp_patch
 
     clock, skip = time.perf_counter, {"skip": False}
     found, inv, params = torch.zeros(1), torch.ones(1), list(model.parameters())
-    handles = _hooks(model, dtype) if variant == "hand O1" else []
+    handles = hand_o1_hooks(model, dtype) if variant == "hand O1" else []
     hand = _HandScaleLoss(params, skip)
     if variant in ("O1", "O2"):
         model, opt = amp_patch.initialize(model, opt, opt_level=variant, half_dtype=dtype, verbosity=0)

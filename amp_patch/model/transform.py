@@ -20,12 +20,12 @@ import torch
 from .._torch.compat import tracing
 from .._torch.hooks import (  # noqa: F401 (InertHook: pickles name it here)
     FAST_PATH_TYPES,
+    MODULE_CALL_CODE,
     ForwardHook,
     InertHook,
     SessionHook,
     forward_hook,
     forward_pre_hook,
-    module_call_frame,
     running,
 )
 from ..casting.wrappers import cast_tree
@@ -34,6 +34,7 @@ from ..errors import UsageError
 from ..weights.compute_copies import ComputeCopies
 from ..weights.layouts import kept_fp32_ids
 from ..weights.state_dict import LoadMastersHook, StateDictHook
+from ..weights.thread_params import ThreadParams
 from .attention_masks import MasksLikeQuery, attention_modules
 from .registration_watch import RegistrationWatch  # (pickles of models saved during a session name it here)
 
@@ -67,12 +68,20 @@ def _caster(dtype, fp64=False):
     return cast
 
 
+def _cast(t, dtype, fp64):
+    """``t`` cast as :func:`_caster`'s function casts it (a call's one input or output, without building one)."""
+    dt = t.dtype
+    if dt is dtype or dt not in FLOAT_DTYPES or (dt is torch.float64 and dtype in HALF_DTYPES and not fp64):
+        return t
+    return t.to(dtype=dtype)
+
+
 def _cast_once(args, kwargs, dtype, fp64=False):
     """Cast the call's floating tensors, each distinct tensor once: an argument passed several times stays one
     tensor (``MultiheadAttention``'s fused fast path needs ``query is key is value``)."""
-    cast = _caster(dtype, fp64)
     if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # model(x): the common call
-        return (cast(args[0]),), kwargs
+        return (_cast(args[0], dtype, fp64),), kwargs
+    cast = _caster(dtype, fp64)
     seen = {}  # id -> (source, cast); holding the source keeps its id unique during the call
 
     def cast_one(t):
@@ -96,12 +105,24 @@ class WeightSlots:
         param = self.slots[0][0]._parameters.get(self.slots[0][1]) if self.slots else None
         return default if param is None else param.dtype
 
-    def check(self, model, dtype):
-        """Refuse (naming the fix) a cast param whose dtype is no longer the model's: the forward would fail."""
+    def check(self, model, default):
+        """The model's dtype (:meth:`dtype`), refusing (naming the fix) a cast param whose dtype is no longer it:
+        the forward would fail. Reads each slot as ``module._parameters.get(name)`` does (a
+        :class:`~amp_patch.weights.thread_params.ThreadParams` gives this thread's copy), inline: one frame a call."""
+        dtype, last, copies = None, None, None
         for module, name in self.slots:  # (~0.2 us a param: 40 us a forward for 200 params on a slow CPU)
-            param = module._parameters.get(name)
+            params = module._parameters
+            if params is not last:  # (a module's slots are consecutive)
+                last = params
+                copies = getattr(params._local, "copies", None) if type(params) is ThreadParams else None
+            param = copies.get(name) if copies else None
+            if param is None:
+                param = dict.get(params, name)
+            if dtype is None:
+                dtype = default if param is None else param.dtype
             if param is not None and param.dtype is not dtype:
                 _refuse_mixed(model, module, name, param.dtype, dtype)
+        return default if dtype is None else dtype
 
 
 def _refuse_mixed(model, module, pname, got, dtype):
@@ -127,16 +148,20 @@ class CastInputs(ForwardHook):
         self.checked = watch.generation
 
     def __call__(self, module, args, kwargs=None):
-        dtype = self.like.dtype(self.dtype)
-        self.like.check(module, dtype)
-        watch = self.watch
-        watch.at_call(tracing())
+        dtype = self.like.check(module, self.dtype)
+        traced, watch = tracing(), self.watch
+        if traced or watch.pending:
+            watch.at_call(traced)
         if watch.generation != self.checked:
             _check_dtypes(module, dtype, self.keep_types)
             self.checked = self.watch.generation
+        fp64 = getattr(self, "fp64", False)
+        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # model(x): the common call, inline
+            cast = (_cast(args[0], dtype, fp64),)
+            return cast if kwargs is None else (cast, kwargs)
         if kwargs is None:  # (torch calls a hook removed during this call, by deinitialize, without them)
-            return _cast_once(args, {}, dtype, getattr(self, "fp64", False))[0]
-        return _cast_once(args, kwargs, dtype, getattr(self, "fp64", False))
+            return _cast_once(args, {}, dtype, fp64)[0]
+        return _cast_once(args, kwargs, dtype, fp64)
 
 
 def _check_dtypes(model, dtype, keep_types):
@@ -171,19 +196,6 @@ class CastOutputs(ForwardHook):
     def __getstate__(self):  # (a copy of the model is not inside this model's calls)
         return {**self.__dict__, "depths": {}, "frames": {}}
 
-    def entered(self):
-        """A call starts (from :class:`EnterCall`, which torch's module call runs). One found in progress whose
-        frame is gone was cut off (Ctrl-C skips the always-called hooks): this call is the outermost."""
-        if not tracing():
-            depths, ident = self.depths, threading.get_ident()
-            frames = self.__dict__.setdefault("frames", {})
-            depth = depths.get(ident, 0)
-            if depth and frames.get(ident) is not None and not running(frames[ident]):
-                depth = 0
-            if not depth:
-                frames[ident] = module_call_frame(2)
-            depths[ident] = depth + 1
-
     def __call__(self, module, args, out):
         depths = getattr(self, "depths", None)
         if depths is not None and not tracing():
@@ -196,6 +208,8 @@ class CastOutputs(ForwardHook):
             frames.pop(ident, None)
         if self.skip is not None and self.skip():
             return None  # (session/nested_models.py: the outer model's own output cast applies)
+        if type(out) is torch.Tensor:  # (the usual output)
+            return _cast(out, self.dtype, getattr(self, "fp64", False))
         cast = _caster(self.dtype, getattr(self, "fp64", False))
         if isinstance(out, types.GeneratorType):
             return _cast_items(out, cast)
@@ -215,13 +229,26 @@ def _cast_items(generator, cast):
 
 
 class EnterCall(ForwardHook):
-    """Forward pre-hook of a model whose outputs are cast: a call starts (:meth:`CastOutputs.entered`)."""
+    """Forward pre-hook of a model whose outputs are cast: a call starts, counted in its :class:`CastOutputs`. One
+    found in progress whose frame is gone was cut off (Ctrl-C skips the always-called hooks): this call is the
+    outermost."""
 
     def __init__(self, outputs):
         self.outputs = outputs
 
     def __call__(self, module, args):
-        self.outputs.entered()
+        if tracing():
+            return
+        outputs = self.outputs
+        depths, ident = outputs.depths, threading.get_ident()
+        frames = outputs.__dict__.setdefault("frames", {})
+        depth = depths.get(ident, 0)
+        if depth and frames.get(ident) is not None and not running(frames[ident]):
+            depth = 0
+        if not depth:
+            frame = sys._getframe(1)  # (module_call_frame(0))
+            frames[ident] = frame if frame.f_code is MODULE_CALL_CODE else None
+        depths[ident] = depth + 1
 
 
 class CastArgsTo(ForwardHook):

@@ -36,8 +36,9 @@ class Install(SessionHook):
                     return
                 owner.drop_stale()  # (the call in progress was cut off: its frame is gone)
             frame = sys._getframe(1)  # (module_call_frame(0): torch's call running this hook)
-            owner.install(module, frame if frame.f_code is MODULE_CALL_CODE else None)
-            if call.depth == 1 and call.called is module:
+            owner.start_call(module, frame if frame.f_code is MODULE_CALL_CODE else None)  # (no call here now)
+            if module is not owner.model or owner.restore_id not in module._forward_hooks_always_called \
+                    or module._forward_hooks.get(owner.restore_id) is None:  # (the model's own: known, no frame)
                 owner.ensure_restore(module)
             return
         owner.install(module)
@@ -58,6 +59,9 @@ class Restore(SessionHook):
                     call.depth -= 1  # (a recursive call ends)
                     return None
                 call.depth = 1  # the outermost call ends: recursive calls cut off inside it ended too
+            if call.depth:  # (uninstall's case, its tests passed)
+                call.depth = 0
+                return owner.end_call(call, output)
         return owner.uninstall(output, module)
 
 

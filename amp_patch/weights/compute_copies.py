@@ -73,6 +73,7 @@ class ComputeCopies:
         self.kept_ids = set()  # ids of the modules kept fp32 (their params and buffers are left as they are)
         self.handles = []
         self.quieted = []  # inner owners given quiet hook dicts (quiet_hooks)
+        self.restore_id = None  # the id of the model's own Restore hook
 
     def attach(self):
         self._collect()
@@ -83,6 +84,7 @@ class ComputeCopies:
             return self
         self.handles.append(self.model.register_forward_pre_hook(Install(self), prepend=True))
         self.handles.append(self.model.register_forward_hook(Restore(self), prepend=True, always_call=True))
+        self.restore_id = self.handles[-1].id
         self._hook_owners()
         return self
 
@@ -192,12 +194,24 @@ class ComputeCopies:
             state.called = called
             self._swap_in(state, called)
 
+    def start_call(self, called, frame):
+        """Eager: this thread's outermost call of ``called`` starts (``frame``: torch's call running it, or None);
+        :meth:`install`'s case once its tests passed (:class:`~.call_hooks.Install` runs it on every outermost call).
+        The frame first, as in :meth:`install`."""
+        call = self.call
+        call.frame = frame
+        call.depth = 1
+        self.calls[threading.get_ident()] = 1  # (count_call(1))
+        call.called = called
+        self._swap_in(call, called)
+
     def _swap_in(self, state, called):
-        watch = self.watch
-        watch.at_call(state is self.traced)
+        watch, traced = self.watch, state is self.traced
+        if traced or watch.pending:
+            watch.at_call(traced)
         if self.generation != watch.generation:
             self._collect()
-        if state is self.call and watch.buffers:
+        if not traced and watch.buffers:
             self._adopt_noted()
         slots = self.slots
         if called is not None and called is not self.model:
@@ -218,8 +232,12 @@ class ComputeCopies:
             if copy is None:
                 copy = copies[id(p)] = _cast(p, dtype) if inference else p.to(dtype)
             if params is not last:
-                last = params
-                overlay = params.overlay() if type(params) is thread_params.ThreadParams else None
+                last, overlay = params, None
+                if type(params) is thread_params.ThreadParams:  # (its overlay(), inline)
+                    local = params._local
+                    overlay = getattr(local, "copies", None)
+                    if overlay is None:
+                        overlay = local.copies = {}
             swapped.append((module, params, name, p, copy, copy._version))  # (first: an interrupt leaves none
             if overlay is not None:                                          # that _put_back does not know)
                 overlay[name] = copy
@@ -257,14 +275,20 @@ class ComputeCopies:
         state.depth -= 1
         if state.depth:
             return None
+        return self.end_call(state, output)
+
+    def end_call(self, state, output=None):
+        """The outermost call whose ``state`` is at depth 0 now ends: its copies go (:meth:`uninstall`'s case once
+        its tests passed; :class:`~.call_hooks.Restore` runs it on every outermost call). A generator it returned
+        re-enters the call, on the same copies, at each resumption."""
         if state is self.call:
-            self.count_call(0)
+            self.calls.pop(threading.get_ident(), None)  # (count_call(0))
             state.frame = None
-        called = state.called
-        kept = list(state.swapped)
-        self._put_back(state)
-        if isinstance(output, types.GeneratorType) and state is self.call:
+        if type(output) is types.GeneratorType and state is self.call:
+            called, kept = state.called, list(state.swapped)
+            self._put_back(state)
             return reentry.resumed_in_call(self, called, kept, output)
+        self._put_back(state)
         return None
 
     def cut_off(self):
@@ -328,8 +352,8 @@ class ComputeCopies:
             module, params, name, param, copy, version = swapped.pop()
             if own and type(params) is thread_params.ThreadParams:
                 if params is not last:  # (a module's slots are consecutive: its overlay is looked up once)
-                    last, overlay = params, params.overlay()
-                if overlay.get(name) is copy:
+                    last, overlay = params, getattr(params._local, "copies", None)  # (overlay(), inline)
+                if overlay is not None and overlay.get(name) is copy:
                     del overlay[name]
             elif dict.get(params, name) is copy:
                 dict.__setitem__(params, name, param)

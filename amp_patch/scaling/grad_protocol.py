@@ -10,7 +10,7 @@ import torch
 
 from .._torch import dist as distributed
 from .stages import DOOMED, SCALED, UNSCALED, Scaled
-from .unscale import unscale_, unscale_usual_
+from .unscale import unscale_, unscale_collected_, unscale_into, unscale_usual_
 
 _new = object.__new__
 
@@ -47,15 +47,16 @@ class GradProtocol:
                 self._bring_to(scaler, unreduced=in_place)
             self.pending = Scaled(scaler, in_place)
             return
-        if pending.scaler is scaler:
-            return
+        if pending.scaler is scaler and (pending.scale == scaler.scale or self.scale_read_at_exit):
+            return  # (the scale changed since: another optimizer's block on this scaler exited in between)
+        carried = self.carried_scale()
         pending.unreduced |= in_place
         if pending.unreduced:
-            pending.inf_seen |= self._rescale_in_place(pending.scaler, scaler)
+            pending.inf_seen |= self._rescale_in_place(carried, scaler.scale)
         else:
-            pending.inf_seen |= self._unscale(pending.scaler)
+            pending.inf_seen |= self._unscale(carried)
             self._bring_to(scaler, unreduced=False)
-        pending.scaler = scaler
+        pending.scaler, pending.scale = scaler, scaler.scale
 
     def open_block(self, scaler):
         """A steady ``scale_loss`` block opens: :meth:`before_backward` of ``scaler``, its usual case (grads UNSCALED
@@ -64,7 +65,7 @@ class GradProtocol:
                 and threading.get_ident() in self.threads and not self.kept_model_grads and self.foreign is None):
             self.forgotten.scaled = True  # (ForgottenScaleLoss.note_scaled)
             self.pending = pending = _new(Scaled)  # (Scaled(scaler) without its __init__ frame)
-            pending.scaler, pending.inf_seen, pending.unreduced = scaler, False, False
+            pending.scaler, pending.scale, pending.inf_seen, pending.unreduced = scaler, 1.0, False, False
         else:
             self.before_backward(scaler, False)
 
@@ -81,6 +82,7 @@ class GradProtocol:
                 grad = p.grad
                 if grad is not None:
                     grads.append(grad)
+        # (scaler._scale is pending.scale here: the steady path has one optimizer, so no other exit changed it)
         found = bool(grads) and unscale_usual_(grads, scaler._scale)
         pending, self.pending = self.pending, None
         return found or pending is not None and pending.inf_seen
@@ -96,7 +98,7 @@ class GradProtocol:
         if self.pending is None:
             self.pending = Scaled(scaler)
         else:
-            self.pending.scaler = scaler
+            self.pending.scaler, self.pending.scale = scaler, scaler.scale
 
     def _bring_to(self, scaler, unreduced):
         """Unscaled grads in param.grad get ``scaler``'s scale (single process: half grads, and after an overflow
@@ -131,7 +133,8 @@ class GradProtocol:
         (its docstring: "the fp16 model grads will remain scaled"); the next entry or ``zero_grad`` drops them."""
         if delay_unscale:
             return False
-        found = self._unscale(scaler, keep_model_grads) or (self.pending is not None and self.pending.inf_seen)
+        found = self._unscale(self.carried_scale(scaler), keep_model_grads)
+        found = found or (self.pending is not None and self.pending.inf_seen)
         self.pending = None
         if self.set_aside:
             self._restore_set_aside()
@@ -146,18 +149,27 @@ class GradProtocol:
         if grads:
             torch._foreach_zero_(grads)
 
+    def carried_scale(self, scaler=None):
+        """The scale to unscale the pending grads by: the one they carry (``pending.scale``); under Apex's rule
+        (``scale_read_at_exit``, its API) their scaler's as it reads now, as Apex's exit read it. ``scaler``: the
+        exit's, where nothing is pending."""
+        pending = self.pending
+        if pending is None:
+            return scaler.scale
+        return pending.scaler.scale if self.scale_read_at_exit else pending.scale
+
     def _rescale_in_place(self, old, new):
-        """Grads scaled by ``old`` become scaled by ``new`` without leaving ``param.grad``; inf/NaN seen?"""
+        """Grads scaled by ``old`` become scaled by ``new`` (scales) without leaving ``param.grad``; inf/NaN seen?"""
         grads = self._grads()
         grads += [model_p.grad for model_p, _ in self.pairs if model_p.grad is not None]
-        return bool(unscale_(grads, old.scale / new.scale)) if grads else False
+        return bool(unscale_(grads, old / new)) if grads else False
 
-    def _unscale(self, scaler, keep_model_grads=False):
+    def _unscale(self, scale, keep_model_grads=False):
         """param grads /= scale in place; half model grads /= scale into the fp32 master grads. found_inf?"""
         grads = self._grads()
         if self.masters is None:  # (every step of the usual loop)
-            return unscale_usual_(grads, scaler.scale) if grads else False
-        found = scaler.unscale_grads(grads) if grads else False
+            return unscale_usual_(grads, scale) if grads else False
+        found = unscale_collected_(grads, scale) if grads else False
         master_grads, master_outs, masters = [], [], []
         for model_p, master in self.pairs:
             if model_p.grad is not None:
@@ -167,7 +179,7 @@ class GradProtocol:
         if self.masters is not None:
             self.masters.stale = False
         if master_grads:
-            found |= scaler.unscale_grads(master_grads, out=master_outs)
+            found |= unscale_into(master_grads, master_outs, scale)
             for (model_p, master), g in zip(masters, master_outs):
                 if keep_model_grads:
                     self.kept_model_grads.append((model_p, model_p.grad))

@@ -47,11 +47,8 @@ from .closure_steps import StepSnapshot, hiding_grads_skips
 from .foreign_grads import ForeignGrads
 from .forgotten_scale_loss import ForgottenScaleLoss
 from .grad_protocol import GradProtocol, rescale
-from .scaler import LossScaler
 from .stages import READY, NextStepStage
 from .state_casts import cast_state_to_params, uncast_state
-
-_UNIT_SCALE = LossScaler(1.0)  # a plain backward's grads carry no scale
 
 
 class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
@@ -79,6 +76,7 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
         self.undo_updates = {}  # scaler -> memento before this step's updates (None: an overflow, kept)
         self.engine = None  # the session's casting engine (O1): paused during step()
         self.in_scale_loss = False  # an open scale_loss block names this optimizer (nesting is refused)
+        self.scale_read_at_exit = False  # Apex's rule (its API): see GradProtocol.carried_scale
         self.foreign = None  # (loss_id, {id(param): (weakref, version)}): grads another loss's block left scaled
         self.own_exit = None  # grad_snapshot() when the last scale_loss naming this optimizer inside another exited
         self.threads = set()  # idents of the threads that ran scale_loss / step / zero_grad on it (see used_by)
@@ -201,7 +199,7 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
         ``scale_loss`` at a static scale of 1 would put them (an inf/NaN skips the step, as it would there), with
         one warning (scaling/forgotten_scale_loss.py)."""
         self.forgotten.warn_into_masters(self.optimizer)
-        if self._unscale(_UNIT_SCALE):
+        if self._unscale(1.0):
             self.doom()
 
     # -- step hooks -----------------------------------------------------------------------------
@@ -335,7 +333,7 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
         if self.pending is not None:  # a delayed or interrupted backward left its grads multiplied by the scale:
             grads = self._grads()  # they are given back unscaled
             if grads:
-                rescale(grads, 1.0 / self.pending.scaler.scale)
+                rescale(grads, 1.0 / self.carried_scale())
         if self.masters is not None:
             self.masters.restore()
 

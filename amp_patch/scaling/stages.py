@@ -12,7 +12,7 @@ class Grads(enum.Enum):
     """Where the grads of the optimizer's params stand."""
 
     UNSCALED = "unscaled"  # at their true scale (or none): what step() may use
-    SCALED = "scaled"  # multiplied by ``pending.scaler``'s scale (inside scale_loss, or left by delay_unscale)
+    SCALED = "scaled"  # multiplied by ``pending.scale``, ``pending.scaler``'s (inside scale_loss, or delay_unscale)
 
 
 class NextStep(enum.Enum):
@@ -29,13 +29,16 @@ READY, DOOMED = NextStep.READY, NextStep.DOOMED
 
 
 class Scaled:
-    """The data of ``Grads.SCALED``: which scaler's scale the grads carry, and what they went through so far.
-    (``GradProtocol.open_block`` builds its usual one without ``__init__``: a field added here goes there too.)"""
+    """The data of ``Grads.SCALED``: which scaler's scale the grads carry, the scale itself (the scaler's when its
+    loss was scaled: another block's exit may change the scaler's since, amp_patch's API unscales by this one), and
+    what they went through so far. (``GradProtocol.open_block`` builds its usual one without ``__init__``: a field
+    added here goes there too.)"""
 
-    __slots__ = ("scaler", "inf_seen", "unreduced")
+    __slots__ = ("scaler", "scale", "inf_seen", "unreduced")
 
     def __init__(self, scaler, unreduced=False):
         self.scaler = scaler
+        self.scale = scaler.scale
         self.inf_seen = False  # an earlier scale of these grads (another loss's) was unscaled or rescaled: inf/NaN?
         self.unreduced = unreduced  # accumulated inside DDP no_sync(): rescaled in place, never out of param.grad
 

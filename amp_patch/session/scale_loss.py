@@ -172,6 +172,7 @@ class _Block(contextlib.ContextDecorator):
             return False
         loss, _, loss_id, _, _, delay_overflow_check = self.args
         _end(self.session, self.scaler, loss_id, self.states, self.delay_unscale, loss, delay_overflow_check)
+        _note_own_exit(self.session, self.states)  # (after the exit's own changes: set-aside grads added back)
         return False
 
     def _end_steady(self):
@@ -309,10 +310,15 @@ def _end(session, scaler, loss_id, states, delay_unscale, loss, delay_overflow_c
 
 
 def _note_grads_written(session, states, others, loss_id):
-    """Grads this backward wrote into optimizers it did not name stay scaled: mark them (refused until cleared).
-    Inside an enclosing open block, remember what this block left in its own optimizers: that is not foreign."""
+    """Grads this backward wrote into optimizers it did not name stay scaled: mark them (refused until cleared)."""
     for state, snapshot in others:
         state.note_foreign(snapshot, loss_id)
+    _note_own_exit(session, states)
+
+
+def _note_own_exit(session, states):
+    """Inside an enclosing open block, remember what this block left in its own optimizers: that is not foreign
+    (noted again once the exit unscaled them and added back what it had set aside)."""
     opt_states = session.scaling.opt_states
     if len(opt_states) == 1:  # (the one optimizer is this block's, and it is no longer open)
         return

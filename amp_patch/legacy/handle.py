@@ -97,7 +97,6 @@ class AmpHandle:
         state = session.scaling.opt_states.get(id(optimizer))
         if state is None or state.optimizer is not optimizer:
             state = OptimizerState(optimizer, master_weights=False)
-            state.scale_read_at_exit = True  # (Apex's rule: GradProtocol.carried_scale)
             session.scaling.opt_states[id(optimizer)] = state
             session.undo.append(state.restore)  # (its step hooks go with the session)
         return state

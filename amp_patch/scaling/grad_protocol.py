@@ -47,14 +47,16 @@ class GradProtocol:
                 self._bring_to(scaler, unreduced=in_place)
             self.pending = Scaled(scaler, in_place)
             return
-        if pending.scaler is scaler and (pending.scale == scaler.scale or self.scale_read_at_exit):
-            return  # (the scale changed since: another optimizer's block on this scaler exited in between)
-        carried = self.carried_scale()
+        # The grads carry pending.scale: the scale their losses had (another optimizer's exit on this scaler may
+        # have changed the scaler's since: amp_patch brings them to this loss's scale, where Apex did not).
+        if pending.scale == scaler.scale and (pending.scaler is scaler or self.next_step is not DOOMED):
+            pending.scaler = scaler  # (another scaler at the same scale: the sum carries it, nothing to rescale;
+            return                   # after an overflow the grads are set aside below, as for another scale)
         pending.unreduced |= in_place
         if pending.unreduced:
-            pending.inf_seen |= self._rescale_in_place(carried, scaler.scale)
+            pending.inf_seen |= self._rescale_in_place(pending.scale, scaler.scale)
         else:
-            pending.inf_seen |= self._unscale(carried)
+            pending.inf_seen |= self._unscale(pending.scale)
             self._bring_to(scaler, unreduced=False)
         pending.scaler, pending.scale = scaler, scaler.scale
 
@@ -133,8 +135,9 @@ class GradProtocol:
         (its docstring: "the fp16 model grads will remain scaled"); the next entry or ``zero_grad`` drops them."""
         if delay_unscale:
             return False
-        found = self._unscale(self.carried_scale(scaler), keep_model_grads)
-        found = found or (self.pending is not None and self.pending.inf_seen)
+        pending = self.pending  # (the grads carry pending.scale, their losses' scale, whatever the scaler's now)
+        found = self._unscale(scaler.scale if pending is None else pending.scale, keep_model_grads)
+        found = found or (pending is not None and pending.inf_seen)
         self.pending = None
         if self.set_aside:
             self._restore_set_aside()
@@ -148,15 +151,6 @@ class GradProtocol:
         grads += [m.grad for _, m in self.pairs if m.grad is not None]
         if grads:
             torch._foreach_zero_(grads)
-
-    def carried_scale(self, scaler=None):
-        """The scale to unscale the pending grads by: the one they carry (``pending.scale``); under Apex's rule
-        (``scale_read_at_exit``, its API) their scaler's as it reads now, as Apex's exit read it. ``scaler``: the
-        exit's, where nothing is pending."""
-        pending = self.pending
-        if pending is None:
-            return scaler.scale
-        return pending.scaler.scale if self.scale_read_at_exit else pending.scale
 
     def _rescale_in_place(self, old, new):
         """Grads scaled by ``old`` become scaled by ``new`` (scales) without leaving ``param.grad``; inf/NaN seen?"""

@@ -76,7 +76,6 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
         self.undo_updates = {}  # scaler -> memento before this step's updates (None: an overflow, kept)
         self.engine = None  # the session's casting engine (O1): paused during step()
         self.in_scale_loss = False  # an open scale_loss block names this optimizer (nesting is refused)
-        self.scale_read_at_exit = False  # Apex's rule (its API): see GradProtocol.carried_scale
         self.foreign = None  # (loss_id, {id(param): (weakref, version)}): grads another loss's block left scaled
         self.own_exit = None  # grad_snapshot() when the last scale_loss naming this optimizer inside another exited
         self.threads = set()  # idents of the threads that ran scale_loss / step / zero_grad on it (see used_by)
@@ -333,7 +332,7 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
         if self.pending is not None:  # a delayed or interrupted backward left its grads multiplied by the scale:
             grads = self._grads()  # they are given back unscaled
             if grads:
-                rescale(grads, 1.0 / self.carried_scale())
+                rescale(grads, 1.0 / self.pending.scale)
         if self.masters is not None:
             self.masters.restore()
 

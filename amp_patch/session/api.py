@@ -262,7 +262,6 @@ def attach_optimizer_states(session, optimizers, fp32_data):
                                fp32_data=fp32_data, storage=make_storage(props.master_storage, props.master_rounding),
                                unscaled_warning=_trains_unscaled(props),
                                attach=False)
-        state.scale_read_at_exit = props.api == "apex"  # (Apex's rule: GradProtocol.carried_scale)
         session.scaling.opt_states[id(opt)] = state
         session.undo.append(state.restore)  # before attach: an interrupt inside it is undone too
         state.attach(fp32_data)

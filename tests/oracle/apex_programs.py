@@ -33,7 +33,7 @@ def draw(seed):
     for _ in range(STEPS):
         n = rng.choice([1, 2, 3])
         program["steps"].append({
-            "micro": [{"delay": k < n - 1 and program["n_models"] == 1 and rng.random() < 0.5,
+            "micro": [{"delay": k < n - 1 and rng.random() < 0.5,
                        "inf": dynamic and rng.random() < 0.2} for k in range(n)],
             "clip": rng.random() < 0.3, "round_trip": rng.random() < 0.2})
     return program
@@ -46,7 +46,30 @@ def known_difference(program):
         if any(flags[k] and not all(flags[:k]) for k in range(len(flags))):
             return ("a delay_unscale micro-batch after an unscaled one in the same step: Apex unscaled the "
                     "earlier micro-batch's grads a second time")
+    dynamic = program["loss_scale"] == "dynamic" or (program["loss_scale"] is None and program["opt_level"] == "O2")
+    if dynamic and program["n_models"] == 2 and _delayed_then_changed(program):
+        return ("delay_unscale grads pending while a scale changed (an overflow: two losses on one optimizer whose "
+                "scalers now differ, or one scaler shared by two optimizers): Apex unscaled them by the scale of the "
+                "exit, not the one they carry")
     return None
+
+
+def _delayed_then_changed(program):
+    """A delayed micro-batch where a scale may have changed before its grads are unscaled: after an overflow (two
+    losses, one optimizer), or before a later unscaling exit in its step (one loss, two optimizers; an O2 half
+    grad may overflow without an inf loss)."""
+    inf_seen = False
+    for step in program["steps"]:
+        micro = step["micro"]
+        for k, m in enumerate(micro):
+            if m["delay"] and program["n_losses"] == 2 and program["shared_optimizer"] and (inf_seen or any(
+                    x["inf"] for x in micro[:k])):
+                return True
+            if m["delay"] and program["n_losses"] == 1 and not program["shared_optimizer"] and not all(
+                    x["delay"] for x in micro[k:]):
+                return True
+        inf_seen |= any(m["inf"] for m in micro)
+    return False
 
 
 def describe(program):

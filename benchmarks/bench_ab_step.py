@@ -79,7 +79,7 @@ def _permutation_p(a, b, shuffles=20000):
 
 
 def _summary(values):
-    q = statistics.quantiles(values, n=4)
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3  # (one process: no spread)
     return f"median {statistics.median(values):.4f} (quartiles {q[0]:.4f}-{q[2]:.4f}, n={len(values)})"
 
 

@@ -164,7 +164,7 @@ def main(argv=None):
     print(f"\n| step / native ({args.dtype}) | median | quartiles | processes above {args.bound} | sign test p |")
     print("|---|---|---|---|---|")
     for v, rs in ratios.items():
-        q = statistics.quantiles(rs, n=4)
+        q = statistics.quantiles(rs, n=4) if len(rs) > 1 else [rs[0]] * 3  # (one process: no spread to show)
         above = sum(r > args.bound for r in rs)
         print(f"| {v} | {statistics.median(rs):.3f} | {q[0]:.3f}-{q[2]:.3f} | {above}/{len(rs)} | "
               f"{_sign_p(above, len(rs) - above):.4f} |")

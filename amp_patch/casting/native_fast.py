@@ -66,6 +66,8 @@ class FastRegions:
                 self.nested.add(ident)
                 _increment_nesting()
             _clear_native_cache()
+            if ident in self.saved:  # (a state no forward holds: a close an interrupt cut short after restoring
+                self._turn_off(ident)  # part of it; put back what it found, then turn native on as usual)
         if ident not in self.saved:
             engine = self.engine
             if ident in engine.disabled or engine.native_regions.get(ident) or engine.tracer is not None:
@@ -118,8 +120,8 @@ class FastRegions:
     def forget(self):
         """This thread's forwards are over (one that raised may have left its region open)."""
         ident = _get_ident()
-        if self.depth.pop(ident, None) is not None:
-            self.sync(ident)
+        self.depth.pop(ident, None)
+        self.sync(ident)  # (also where a close cut short had popped the depth but not yet restored native's state)
         self._release_nesting(ident)
 
     def _release_nesting(self, ident):

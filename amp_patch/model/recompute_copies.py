@@ -13,6 +13,7 @@ either patch wraps whatever the other left there.
 """
 import contextlib
 import functools
+import sys
 
 import torch.utils.checkpoint as _ckpt
 
@@ -42,10 +43,11 @@ def _in_calls(function):
         return function
 
     def run(*args, **kwargs):
+        frame = sys._getframe()  # (the re-entered calls' frame: one an interrupt cut off is dropped at the next call)
         with contextlib.ExitStack() as stack:
             with _past_selective_checkpoint():
                 for copies, called in calls:
-                    stack.enter_context(copies.reenter(called))
+                    stack.enter_context(copies.reenter(called, frame))
             return function(*args, **kwargs)
 
     return run

@@ -61,7 +61,7 @@ def _caster(dtype, fp64=False):
 
     def cast(t):
         dt = t.dtype
-        if dt is dtype or dt not in FLOAT_DTYPES or (dt is torch.float64 and dtype in HALF_DTYPES and not fp64):
+        if dt is dtype or dt not in FLOAT_DTYPES or (dt is torch.float64 and not fp64):
             return t
         return t.to(dtype=dtype)
 
@@ -71,7 +71,7 @@ def _caster(dtype, fp64=False):
 def _cast(t, dtype, fp64):
     """``t`` cast as :func:`_caster`'s function casts it (a call's one input or output, without building one)."""
     dt = t.dtype
-    if dt is dtype or dt not in FLOAT_DTYPES or (dt is torch.float64 and dtype in HALF_DTYPES and not fp64):
+    if dt is dtype or dt not in FLOAT_DTYPES or (dt is torch.float64 and not fp64):
         return t
     return t.to(dtype=dtype)
 
@@ -255,7 +255,7 @@ class CastArgsTo(ForwardHook):
     """Forward pre-hook (with kwargs) of a module kept fp32: its inputs to fp32."""
 
     def __call__(self, module, args, kwargs):
-        to_fp32 = _caster(torch.float32)
+        to_fp32 = _caster(torch.float32, fp64=True)  # (float64 activations too: the module's weights are fp32)
         return cast_tree(args, to_fp32), cast_tree(kwargs, to_fp32)
 
 

@@ -261,6 +261,24 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
             if self.snapshot is None:  # torch's optimizers pass over a param without a grad: hiding them skips
                 self._drop_grads()
             # (any other optimizer's step runs with its grads, which it may read, and is undone from the copy)
+        if closure is not None:
+            return self._finishing_closure(args, kwargs, closure)
+        return None
+
+    def _finishing_closure(self, args, kwargs, closure):
+        """``step(closure)``'s arguments with the closure wrapped (torch's pre-hook may replace them): grads a
+        ``delay_unscale`` block inside it left scaled are unscaled and checked as it returns, before the optimizer
+        reads them (an overflow there zeroes them and undoes the step, as one in its unscaling exit)."""
+        def closure_finishing_delays():
+            result = closure()
+            if self.pending is not None and self.stepping:
+                self._finish_delayed(self.pending.scaler)
+            return result
+
+        closure_finishing_delays.__wrapped__ = closure
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_finishing_delays}
+        return (args[0], closure_finishing_delays, *args[2:]), kwargs
 
     def _drop_grads(self):
         for group in self.optimizer.param_groups:

@@ -330,10 +330,12 @@ class ComputeCopies:
         """Context manager: a generator's resumption runs in its call again, on the call's copies ``kept``."""
         return reentry.Resumed(self, called, kept)
 
-    def reenter(self, called):
+    def reenter(self, called, frame=None):
         """Context manager: run code of a call of ``called`` that runs outside its extent (a checkpointed
-        segment's recomputation) with this thread's copies, unless a call is in progress here already."""
-        return reentry.Reentered(self, called)
+        segment's recomputation) with this thread's copies, unless a call is in progress here already.
+        ``frame``: the frame running the re-entered code (an interrupt that cuts it off, even inside the context
+        manager's ``__enter__``, which then has no ``__exit__``, leaves a call the next one drops)."""
+        return reentry.Reentered(self, called, frame)
 
     def restore(self):
         """Put back what a call of this thread left and forget it (deinitialize after an interrupted call)."""

@@ -5,13 +5,13 @@ from . import thread_params
 
 
 class Reentered:
-    def __init__(self, copies, called):
-        self.copies, self.called, self.entered = copies, called, False
+    def __init__(self, copies, called, frame=None):
+        self.copies, self.called, self.frame, self.entered = copies, called, frame, False
 
     def __enter__(self):
         copies = self.copies
         if copies.live and copies.in_call() is None:
-            copies.install(self.called)
+            copies.install(self.called, self.frame)
             self.entered = True
         return self
 

@@ -110,3 +110,14 @@ def test_own_api_leaves_float64_model_inputs_and_outputs_alone(opt_level):
     out, d, seen = m(torch.randn(3, 4), torch.randn(2, dtype=torch.float64))
     assert seen is torch.float64 and d.dtype is torch.float64
     assert out.dtype is torch.float16
+
+
+@pytest.mark.parametrize("opt_level, outputs", [("O1", torch.float32), ("O2", None), ("O3", torch.float32)])
+def test_own_api_leaves_float64_outputs_alone_at_an_fp32_output_dtype(opt_level, outputs):
+    # (O2's default output dtype is fp32: a float64 output was cast to it, losing what needed float64)
+    m = Echo()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    kwargs = {} if outputs is None else {"cast_model_outputs": outputs}
+    m, opt = amp_patch.initialize(m, opt, opt_level=opt_level, verbosity=0, **kwargs)
+    out, d, seen = m(torch.randn(3, 4), torch.randn(2, dtype=torch.float64))
+    assert d.dtype is torch.float64 and out.dtype is torch.float32

@@ -19,6 +19,7 @@ import torch
 from torch.nn import functional as F
 
 import amp_patch
+from amp_patch import legacy
 
 HALF = torch.float16
 
@@ -344,3 +345,46 @@ def test_a_skipped_step_that_cannot_be_undone_raises_naming_the_attribute():
         opt.step()
     assert not amp_patch.last_step_skipped(opt)
     assert opt.counter == 0
+
+
+def _closure_run(api, loss_scale, pattern, inf_at=None, as_keyword=False):
+    """One ``step(closure)`` whose closure runs a block per entry of ``pattern`` (``delay_unscale`` flags)."""
+    amp = {"amp_patch": amp_patch, "apex": legacy.amp}[api]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O0", loss_scale=loss_scale, verbosity=0)
+    x, t = torch.randn(6, 4), torch.randn(6, 3)
+
+    def closure():
+        opt.zero_grad()
+        for k, delay in enumerate(pattern):
+            loss = ((model(x[k:k + 3]) - t[k:k + 3]) ** 2).mean()
+            if k == inf_at:
+                loss = loss * float("inf")
+            with amp.scale_loss(loss, opt, delay_unscale=delay) as scaled:
+                scaled.backward()
+        return loss
+
+    try:
+        opt.step(closure=closure) if as_keyword else opt.step(closure)
+        return model.weight.detach().clone()
+    finally:
+        amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize("api", ["amp_patch", "apex"])
+@pytest.mark.parametrize("pattern", [(True,), (True, True), (False, True), (True, False)])
+def test_a_closure_whose_last_block_delays_unscaling_steps_on_unscaled_grads(api, pattern):
+    # the step reads the grads as the closure returns: a delayed block's are unscaled and checked then (they were
+    # stepped on multiplied by the loss scale, silently)
+    for as_keyword in (False, True):
+        assert torch.equal(_closure_run(api, "dynamic", pattern, as_keyword=as_keyword),
+                           _closure_run(api, 1.0, pattern, as_keyword=as_keyword)), (pattern, as_keyword)
+
+
+@pytest.mark.parametrize("api", ["amp_patch", "apex"])
+def test_an_overflow_in_a_closures_delayed_block_undoes_the_step(api):
+    torch.manual_seed(0)
+    before = torch.nn.Linear(4, 3).weight.detach().clone()
+    assert torch.equal(_closure_run(api, "dynamic", (False, True), inf_at=1), before)

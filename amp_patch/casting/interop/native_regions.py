@@ -48,6 +48,7 @@ def engine_device_type():
 def install(engine, patcher):
     """Wrap ``autocast.__enter__``/``__exit__`` for ``engine`` (state: ``engine.native_regions``)."""
     regions, disabled, device_type = engine.native_regions, engine.disabled, engine.device_type
+    native_exit = autocast_mode.autocast.__exit__  # (what undoes native's enter where ours is cut short)
 
     def make_enter(original):
         def __enter__(self):
@@ -58,9 +59,16 @@ def install(engine, patcher):
                 self._enabled = False  # the forward's casting was amp_patch's: replay it, native stays off
             if engine.fast is not None:  # a fast region's native state is amp_patch's: the region saves the one below
                 engine.fast.suspend()
-            result = original(self)
-            _push(regions, disabled, self, off)
-            return result
+            self.__dict__.pop("prev", None)  # (native's enter sets it: whether it ran, where an interrupt lands)
+            try:
+                result = original(self)
+                _push(regions, disabled, self, off)
+                return result
+            except BaseException:  # (Ctrl-C: the caller's with runs no __exit__ for a region whose enter raised)
+                _abandon(regions, disabled, self, native_exit)
+                if engine.fast is not None:
+                    engine.fast.sync()  # (what the region's exit does after its pop)
+                raise
 
         return __enter__
 
@@ -119,18 +127,34 @@ def _answer_custom_fwd(original, engine):
 
 
 def _push(regions, disabled, region, off):
-    """Enter a region: this thread's native-off state becomes ``off`` (one level of ``disabled`` while off)."""
-    stack = regions.setdefault(_get_ident(), [])
+    """Enter a region: this thread's native-off state becomes ``off`` (one level of ``disabled`` while off). The
+    entry records the thread's ``disabled`` depth before (and is recorded first): :func:`_abandon` puts it back."""
+    ident = _get_ident()
+    stack = regions.setdefault(ident, [])
     was_off = stack[-1][1] if stack else False
-    stack.append((region, off))
+    stack.append((region, off, disabled.get(ident, 0)))
     if off and not was_off:
         disabled.enter()
     elif was_off and not off:
         disabled.exit()
 
 
+def _abandon(regions, disabled, region, native_exit):
+    """A region's enter cut short (an interrupt): undo what it did, whichever line it reached; nothing else runs in
+    the thread meanwhile, so the recorded ``disabled`` depth is the one to put back."""
+    ident = _get_ident()
+    stack = regions.get(ident)
+    if stack and stack[-1][0] is region:
+        before = stack.pop()[2]
+        disabled.set_depth(ident, before)
+    if stack is not None and not stack:
+        del regions[ident]
+    if "prev" in region.__dict__:  # native's enter ran: its exit gives back the state and the nesting count
+        native_exit(region, None, None, None)
+
+
 def _pop(regions, disabled, stack):
-    _, off = stack.pop()
+    _, off, _ = stack.pop()
     was_off = stack[-1][1] if stack else False
     if not stack:
         del regions[_get_ident()]

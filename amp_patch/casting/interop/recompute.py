@@ -74,8 +74,8 @@ def _cache_region(engine):
     if not engine.cache.outside(threading.get_ident()):
         yield
         return
-    engine.enter_region()
-    try:
+    try:  # (entered inside the try: an interrupt in it leaves nothing the tolerant exit does not end)
+        engine.enter_region()
         yield
     finally:
         engine.exit_region()
@@ -88,19 +88,22 @@ def _fast_region(engine, fast):
     if not fast or engine.fast is None:
         yield
         return
-    engine.fast.open()
+    regions, ident = engine.fast, threading.get_ident()
+    before = regions.depth.get(ident, 0)  # (open's first change is the depth: closed only if it began)
     try:
+        regions.open()
         yield
     finally:
-        engine.fast.close()
+        if regions.depth.get(ident, 0) > before:
+            regions.close()
 
 
 @contextlib.contextmanager
 def _depth(disabled, depth):
     ident = threading.get_ident()
     before = disabled.get(ident, 0)
-    _set(disabled, ident, depth)
-    try:
+    try:  # (set inside the try: an interrupt in it still puts the depth back)
+        _set(disabled, ident, depth)
         yield
     finally:
         _set(disabled, ident, before)

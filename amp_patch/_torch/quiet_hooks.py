@@ -27,19 +27,26 @@ class InsideModelCall(OrderedDict):
     """``_forward_pre_hooks`` / ``_forward_hooks`` of an O2 inner owner; ``owner`` is the model's
     :class:`~amp_patch.weights.compute_copies.ComputeCopies`, ``own`` the ids of its hooks here."""
 
+    mine = None  # the id of amp_patch's one hook in this dict (set once it is registered)
+
     def __init__(self, owner):
         super().__init__()
         self.owner, self.own = owner, set()
 
     def __bool__(self):
-        if not len(self):
+        n = len(self)
+        if not n:
             return False
         owner = self.owner
-        if owner is not None and owner.live and len(self) <= len(self.own):
-            call = owner.call
-            if call.depth and call.called is owner.model and not _compiling() and self.keys() <= self.own:
-                return False
-        return True
+        if owner is None or not owner.live:
+            return True
+        if n == 1:  # (the usual dict: amp_patch's one hook; a membership test costs less than comparing key sets)
+            if self.mine not in self:
+                return True
+        elif n > len(self.own) or not self.keys() <= self.own:
+            return True
+        call = owner.call
+        return not (call.depth and call.called is owner.model and not _compiling())
 
     def copy(self):
         return OrderedDict(self)

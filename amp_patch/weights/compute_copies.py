@@ -112,8 +112,9 @@ class ComputeCopies:
             self.handles += (pre, post)
             if quiet is not None:
                 self.quieted.append(module)
-                for hooks in quiet:
+                for hooks, handle in zip(quiet, (pre, post)):  # (quieten's order: pre-hooks, hooks)
                     hooks.own.update((pre.id, post.id))
+                    hooks.mine = handle.id
         self._hook_fast_path([layer for layer in layers if not any(
             layer is not other and any(m is layer for m in other.modules()) for other in layers)])
 

@@ -80,6 +80,20 @@ def test_a_users_hook_on_a_layer_runs_inside_the_models_call(session):
     assert seen == [HALF]
 
 
+
+@pytest.mark.parametrize("dict_name", ["_forward_pre_hooks", "_forward_hooks"])
+def test_a_users_hook_in_place_of_amp_patchs_runs_inside_the_models_call(session, dict_name):
+    """A library clearing a layer's hooks and adding its own leaves one hook there, not amp_patch's: it runs."""
+    model, _ = session
+    seen = []
+    getattr(model[2], dict_name).clear()
+    if dict_name == "_forward_hooks":
+        model[2].register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    else:
+        model[2].register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    model(torch.randn(2, 8))
+    assert seen == [HALF]
+
 def test_a_hook_registered_before_initialize_keeps_plain_dicts_and_runs():
     model = _model()
     seen = []

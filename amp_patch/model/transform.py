@@ -34,7 +34,7 @@ from ..errors import UsageError
 from ..weights.compute_copies import ComputeCopies
 from ..weights.layouts import kept_fp32_ids
 from ..weights.state_dict import LoadMastersHook, StateDictHook
-from ..weights.thread_params import ThreadParams
+from ..weights.thread_params import EDITS, ThreadParams
 from .attention_masks import MasksLikeQuery, attention_modules
 from .registration_watch import RegistrationWatch  # (pickles of models saved during a session name it here)
 
@@ -100,15 +100,31 @@ class WeightSlots:
 
     def __init__(self):
         self.slots = []
+        self.copies = None  # O2's ComputeCopies filling these slots for each call (one-owner layout), if any
+
+    def __getstate__(self):  # (a copy or pickle of the model is not part of the session's calls)
+        return {**self.__dict__, "copies": None}
 
     def dtype(self, default):
         param = self.slots[0][0]._parameters.get(self.slots[0][1]) if self.slots else None
         return default if param is None else param.dtype
 
-    def check(self, model, default):
+    def check(self, model, default, traced=False):
         """The model's dtype (:meth:`dtype`), refusing (naming the fix) a cast param whose dtype is no longer it:
         the forward would fail. Reads each slot as ``module._parameters.get(name)`` does (a
-        :class:`~amp_patch.weights.thread_params.ThreadParams` gives this thread's copy), inline: one frame a call."""
+        :class:`~amp_patch.weights.thread_params.ThreadParams` gives this thread's copy), inline: one frame a call.
+        Where this thread's call of the model put a copy in every slot and no slot was assigned since, only the
+        copies' dtypes are read (``.data`` may have changed one); ``traced``: dynamo is tracing (it reads the slots)."""
+        owner = self.copies
+        if owner is not None and not traced:
+            call = owner.call
+            if call.depth and call.edits == EDITS[0] and call.called is model:
+                dtype = owner.dtype
+                for entry in call.swapped:
+                    if entry[4].dtype is not dtype:
+                        break
+                else:
+                    return dtype
         dtype, last, copies = None, None, None
         for module, name in self.slots:  # (~0.2 us a param: 40 us a forward for 200 params on a slow CPU)
             params = module._parameters
@@ -148,8 +164,8 @@ class CastInputs(ForwardHook):
         self.checked = watch.generation
 
     def __call__(self, module, args, kwargs=None):
-        dtype = self.like.check(module, self.dtype)
         traced, watch = tracing(), self.watch
+        dtype = self.like.check(module, self.dtype, traced)
         if traced or watch.pending:
             watch.at_call(traced)
         if watch.generation != self.checked:
@@ -349,6 +365,7 @@ class ModelPatch:
         watch.install()
         if compute_copies:
             copies = ComputeCopies(self.model, input_dtype, keep_types, watch, self.like.slots)
+            self.like.copies = copies
             copies.adopt = lambda module, name, buffer: self._adopt_buffer(module, name, buffer, input_dtype)
             watch.notes_buffers = True
             self.handles.append(copies)

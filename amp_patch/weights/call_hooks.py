@@ -88,6 +88,7 @@ class TracedCall:
         self.called = None
         self.frame = None
         self.swapped = []  # (module, its params dict, name, fp32 param, copy, the copy's version or None)
+        self.edits = None  # thread_params.EDITS when every slot got its copy (None: a slot kept another dtype)
 
 
 class ThreadCall(threading.local):

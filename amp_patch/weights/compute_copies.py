@@ -221,13 +221,16 @@ class ComputeCopies:
         if state is self.traced:
             return self._swap_traced(state, slots)
         copies = {}  # id(param) -> its copy: a tied param is cast once
-        touched = set()
+        touched, kept = set(), False
         inference, dtype, swapped = torch.is_inference_mode_enabled(), self.dtype, state.swapped
         last, overlay = None, None  # (a module's slots are consecutive: its overlay is looked up once)
         for module, name in slots:
             params = module._parameters
             p = dict.get(params, name)
-            if p is None or p.dtype is dtype or p.dtype not in FLOAT_DTYPES:
+            if p is None:
+                continue
+            if p.dtype is dtype or p.dtype not in FLOAT_DTYPES:  # (a slot keeping its own tensor: the weight check
+                kept = True                                        # reads it)
                 continue
             copy = copies.get(id(p))
             if copy is None:
@@ -246,6 +249,7 @@ class ComputeCopies:
                 params[name] = copy
             if isinstance(module, _RNN):  # (its _flat_weights follow the swap)
                 touched.add(module)
+        state.edits = None if kept or called is not self.model else thread_params.EDITS[0]
         if touched:
             thread_params.refresh_flat_weights(touched)
 

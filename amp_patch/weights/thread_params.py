@@ -17,6 +17,11 @@ import threading
 
 import torch
 
+#: Counts the assignments to a slot (``__setitem__``, ``__delitem__``, ``pop``, in any thread): a call whose count
+#: is unchanged since its copies went in still has its copies in their slots (the input cast's weight check then
+#: reads only their dtypes: :meth:`~amp_patch.model.transform.WeightSlots.check`).
+EDITS = [0]
+
 
 class ThreadParams(dict):
     """``module._parameters`` of a module whose params O2 casts (see the module docstring)."""
@@ -72,18 +77,21 @@ class ThreadParams(dict):
 
     def __setitem__(self, name, value):
         copies = getattr(self._local, "copies", None)
+        EDITS[0] += 1
         if copies:
             copies.pop(name, None)
         dict.__setitem__(self, name, value)
 
     def __delitem__(self, name):
         copies = getattr(self._local, "copies", None)
+        EDITS[0] += 1
         if copies:
             copies.pop(name, None)
         dict.__delitem__(self, name)
 
     def pop(self, name, *default):
         copies = getattr(self._local, "copies", None)
+        EDITS[0] += 1
         if copies:
             copies.pop(name, None)
         return dict.pop(self, name, *default)

@@ -75,6 +75,8 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
         self.kept_model_grads = []  # Apex's API: (half model param, grad) an exit left in place (after_backward)
         self.undo_updates = {}  # scaler -> memento before this step's updates (None: an overflow, kept)
         self.engine = None  # the session's casting engine (O1): paused during step()
+        self.finish = None  # finish(state, scaler, found_inf): the session's outcome of an unscaling exit, for the
+        # grads step() unscales (session/step_outcome.finish_delayed); False (or None here): the update below
         self.in_scale_loss = False  # an open scale_loss block names this optimizer (nesting is refused)
         self.foreign = None  # (loss_id, {id(param): (weakref, version)}): grads another loss's block left scaled
         self.own_exit = None  # grad_snapshot() when the last scale_loss naming this optimizer inside another exited
@@ -297,9 +299,11 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
         return False
 
     def _finish_delayed(self, scaler):
-        """SCALED -> UNSCALED inside step(): unscale, agree on overflow across ranks, update ``scaler`` (DOOMED
-        when it says so)."""
+        """SCALED -> UNSCALED inside step(): unscale, agree on overflow across ranks, then the outcome of an unscaling
+        exit (:attr:`finish`: the scaler's update, DOOMED when it says so, the step history's record)."""
         found = distributed.agree_overflow(self.after_backward(scaler, False))
+        if self.finish is not None and self.finish(self, scaler, found):
+            return
         memento = scaler.memento()
         if scaler.update(found):
             self.doom(by=scaler)

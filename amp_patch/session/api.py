@@ -3,6 +3,7 @@ scale_loss.py)."""
 import functools
 import logging
 import types
+import weakref
 
 import torch
 
@@ -45,6 +46,7 @@ from .checks import (  # noqa: F401
 )
 from .scale_loss import check_idle_elsewhere
 from .session import Session
+from .step_outcome import finish_delayed
 from .user_functions import REGISTRY
 
 log = logging.getLogger("amp_patch")
@@ -264,7 +266,13 @@ def attach_optimizer_states(session, optimizers, fp32_data):
                                attach=False)
         session.scaling.opt_states[id(opt)] = state
         session.undo.append(state.restore)  # before attach: an interrupt inside it is undone too
+        state.finish = functools.partial(_finish_delayed, weakref.ref(session))  # (no cycle through the session)
         state.attach(fp32_data)
+
+
+def _finish_delayed(session_ref, state, scaler, found_inf):
+    session = session_ref()
+    return session is not None and finish_delayed(session, state, scaler, found_inf)
 
 
 def link_masters(session):

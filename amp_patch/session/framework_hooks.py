@@ -16,9 +16,8 @@ from ..errors import UsageError
 from ..scaling.stages import DOOMED
 from .api import as_list, attach_optimizer_states, link_masters
 from .checks import check_no_inner_optimizers, check_no_shared_params, check_step_hooks, held_params
-from .scale_loss import quiet
 from .state import current_session
-from .step_outcome import finish_step
+from .step_outcome import finish_step, quiet
 
 
 def attach_optimizers(optimizers, *, unscale_loss_id=None):

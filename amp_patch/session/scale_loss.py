@@ -11,7 +11,7 @@ from ..parallel import ddp as distributed
 from ..scaling.stages import DOOMED
 from . import state as _state
 from .master_sync import masters_out_of_sync
-from .step_outcome import apex_rules, finish_step
+from .step_outcome import apex_rules, finish_step, quiet
 
 _Tensor = torch.Tensor
 _fp32 = torch.float32
@@ -369,10 +369,6 @@ class _BackwardProbe:
             raise UsageError("loss.backward() ran inside 'with amp_patch.scale_loss(loss, ...) as scaled_loss:', "
                              "so the grads are not scaled and unscaling made them 1/scale too small; call "
                              "scaled_loss.backward() inside the block")
-
-
-def quiet(session):
-    return session.casting.engine.casts_disabled() if session.casting.engine is not None else contextlib.nullcontext()
 
 
 def _warn_if_masters_diverged(states):

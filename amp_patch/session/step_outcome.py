@@ -1,6 +1,9 @@
 """What an unscaling exit's outcome does: the loss's scaler is updated (or not, by the counting rule of the API in
 use), the optimizers' coming step is doomed after an overflow, and the step history records it (with the cause of
-a skip). Called by ``scale_loss`` and by framework hooks that unscale outside it."""
+a skip). Called by ``scale_loss``, by framework hooks that unscale outside it and by an optimizer step that unscales
+grads a delayed exit left scaled."""
+import contextlib
+
 from .._torch import dist
 from ..observe.overflow import bad_grads, skip_cause
 from ..scaling.stages import DOOMED
@@ -73,3 +76,20 @@ def finish_step(session, scaler, loss_id, states, found_inf, loss=None):
             cause = skip_cause(loss, overflow, warming_up, before,
                                lambda: bad_grads(session.models, session.scaling.masters()))
         observe.history.add(loss_id, before, scaler.scale, skip, overflow, scaler, cause)
+
+
+def finish_delayed(session, state, scaler, found_inf):
+    """``optimizer.step()`` unscaled the grads a delayed (or raised) exit left scaled (``state``'s
+    ``_finish_delayed``): the outcome of an unscaling exit, recorded under the loss of ``scaler``. False where this
+    session does not own ``scaler`` (the apex alias's per-optimizer scalers): the caller's own update then applies."""
+    loss_id = next((i for i, known in enumerate(session.scaling.scalers) if known is scaler), None)
+    if loss_id is None:
+        return False
+    with quiet(session):  # (a skip's cause names the params with inf/NaN grads: ops)
+        finish_step(session, scaler, loss_id, (state,), found_inf)
+    return True
+
+
+def quiet(session):
+    """amp_patch's own bookkeeping ops run with casting off in this thread."""
+    return session.casting.engine.casts_disabled() if session.casting.engine is not None else contextlib.nullcontext()

@@ -128,6 +128,31 @@ def test_history_records_steps_in_a_bounded_ring():
     assert [r["skipped"] for r in records] == [True, False, False]
 
 
+
+@pytest.mark.parametrize("closure", [False, True])
+def test_history_records_a_step_whose_delayed_grads_the_step_itself_unscaled(closure):
+    """A step whose only block delayed unscaling (the step unscales and checks the grads) is in the history as any
+    other, skipped with its cause when its grads overflowed, and counts once."""
+    net = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = amp_patch.initialize(net, opt, max_loss_scale=2.0 ** 10, verbosity=0)
+
+    def backward(x):
+        with amp_patch.scale_loss(net(torch.full((1, 2), x)).float().sum(), opt, delay_unscale=True) as scaled:
+            scaled.backward()
+
+    for x in (0.5, 1e30, 0.5):
+        opt.zero_grad()
+        if closure:
+            opt.step(lambda x=x: backward(x))
+        else:
+            backward(x)
+            opt.step()
+    records = amp_patch.history()
+    assert [(r["step"], r["skipped"], r["scale_before"], r["scale_after"]) for r in records] == [
+        (0, False, 1024.0, 1024.0), (1, True, 1024.0, 512.0), (2, False, 512.0, 512.0)]
+    assert records[1]["cause_kind"] == "grads"
+
 def test_collapsing_scale_is_warned_once(caplog):
     net = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)

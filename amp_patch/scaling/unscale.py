@@ -161,7 +161,7 @@ def unscale_(grads, scale):
 def unscale_usual_(grads, scale):
     """:func:`unscale_collected_` for a non-empty list of grads with no None, in one frame where it is the usual
     model's: distinct dense plain tensors of one device and dtype, small enough for the one fused kernel (every step
-    of the usual loop comes here: each Python frame more costs about a microsecond once backward has run).
+    of the usual loop comes here, once backward has run).
 
     At a scale of 1.0 it is a check only: ``x * 1.0 == x``, so neither a grad listed twice nor a mix of dtypes needs
     grouping; plain tensors of one device are all the one kernel call needs, and what it refuses (a sparse grad:

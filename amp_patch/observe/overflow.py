@@ -186,31 +186,44 @@ _RECORD_KEYS = ("step", "loss_id", "scale_before", "scale_after", "skipped", "ov
 
 
 class StepHistory:
-    """Per-step records in a ring buffer, plus a once-per-scaler warning when a scale collapses."""
+    """Per-update records in a ring buffer, plus a once-per-scaler warning when a scale collapses. A record's ``step``
+    is its scaler's update count (0-based, a loaded scaler's included); an update a ``zero_grad()`` rolled back
+    (its step never completed) leaves the history as it leaves the scaler."""
 
     def __init__(self, size=1000, collapse_steps=20):
         self.records = collections.deque(maxlen=size)
         self.collapse_steps = collapse_steps
         self._at_floor = collections.Counter()
         self._warned = set()
-        self._succeeded = set()  # loss ids with at least one unskipped step (warm-up is over)
-        self.step = 0
+        self._last = {}  # loss id -> the step of its latest record
 
-    def warming_up(self, loss_id, scaler):
-        """True while a dynamic scaler has not completed one step for ``loss_id`` (its skips are warm-up)."""
-        return scaler.dynamic and loss_id not in self._succeeded and scaler.scale > 1.0
+    @staticmethod
+    def warming_up(loss_id, scaler):
+        """True while a dynamic scaler has not completed a step (its counts, which a loaded state sets too) and can
+        still back off (above its ``min_loss_scale`` and 1.0): its skips are warm-up."""
+        if not scaler.dynamic or scaler.steps != scaler.skipped_steps:
+            return False
+        return scaler.scale > max(1.0, scaler.hyperparameters.get("min_loss_scale") or 0.0)
 
     def add(self, loss_id, before, after, skipped, overflow, scaler, cause=(None, None)):
-        if not skipped:
-            self._succeeded.add(loss_id)
-        self.records.append((self.step, loss_id, before, after, skipped, overflow, cause[0], cause[1]))
-        self.step += 1
+        step = scaler.steps - 1  # (the update this records has run)
+        if self._last.get(loss_id, -1) >= step:  # updates of this loss rolled back since its last record
+            self._drop_from(loss_id, step)
+        self._last[loss_id] = step
+        self.records.append((step, loss_id, before, after, skipped, overflow, cause[0], cause[1]))
         if scaler._dynamic and loss_id not in self._warned:  # (LossScaler.dynamic, without the property's call)
             self._watch(loss_id, after, scaler)
 
-    def rows(self):
-        """The records as dicts (kept as tuples: one is added on every step), oldest first."""
-        return [dict(zip(_RECORD_KEYS, record)) for record in self.records]
+    def _drop_from(self, loss_id, step):
+        kept = [r for r in self.records if r[1] != loss_id or r[0] < step]
+        self.records.clear()
+        self.records.extend(kept)
+
+    def rows(self, steps=None):
+        """The records as dicts (kept as tuples: one is added on every step), oldest first. ``steps``: loss id ->
+        its scaler's update count now; records of updates rolled back since are left out."""
+        return [dict(zip(_RECORD_KEYS, record)) for record in self.records
+                if steps is None or record[0] < steps.get(record[1], record[0] + 1)]
 
     def _watch(self, loss_id, scale, scaler):
         floor = scaler.hyperparameters.get("min_loss_scale")

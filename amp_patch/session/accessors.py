@@ -55,4 +55,6 @@ def last_overflow():
 def history():
     """Per-step records (loss id, scale before/after, skipped, overflow record), oldest first."""
     session = _state.current_session("history")
-    return session.observe.history.rows() if session.observe.history is not None else []
+    if session.observe.history is None:
+        return []
+    return session.observe.history.rows({i: scaler.steps for i, scaler in enumerate(session.scaling.scalers)})

@@ -153,6 +153,75 @@ def test_history_records_a_step_whose_delayed_grads_the_step_itself_unscaled(clo
         (0, False, 1024.0, 1024.0), (1, True, 1024.0, 512.0), (2, False, 512.0, 512.0)]
     assert records[1]["cause_kind"] == "grads"
 
+
+def _nan_grads_loss(net, x):
+    """A finite loss whose grads are NaN (d/dv sqrt(v) at v = 0 is inf, times 0)."""
+    out = net(x).float().sum()
+    return out + torch.sqrt(out * 0)
+
+
+def _session(**kwargs):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    return amp_patch.initialize(net, opt, verbosity=0, **kwargs)
+
+
+def _step(net, opt, loss_fn=None, loss_id=0, step=True):
+    x = torch.full((1, 2), 0.5)
+    loss = loss_fn(net, x) if loss_fn else net(x).float().sum()
+    with amp_patch.scale_loss(loss, opt, loss_id=loss_id) as scaled:
+        scaled.backward()
+    if step:
+        opt.step()
+        opt.zero_grad()
+
+
+def test_skips_at_the_scale_floor_are_not_warm_up():
+    """Warm-up is a scaler backing off from its initial scale: at min_loss_scale it cannot, so the skips there are
+    the gradients' (the doctor counts warm-up skips as healthy)."""
+    net, opt = _session(min_loss_scale=128.0, max_loss_scale=256.0)
+    for _ in range(3):
+        _step(net, opt, _nan_grads_loss)
+    assert [(r["scale_before"], r["scale_after"], r["cause_kind"]) for r in amp_patch.history()] == [
+        (256.0, 128.0, "warmup"), (128.0, 128.0, "grads"), (128.0, 128.0, "grads")]
+
+
+def test_a_loaded_scaler_that_completed_steps_is_past_its_warm_up_and_counts_on():
+    net, opt = _session(max_loss_scale=1024.0)
+    _step(net, opt)
+    _step(net, opt)
+    saved = amp_patch.state_dict()
+    amp_patch.deinitialize()
+    net, opt = _session(max_loss_scale=1024.0)
+    amp_patch.load_state_dict(saved)
+    _step(net, opt, _nan_grads_loss)
+    assert [(r["step"], r["skipped"], r["cause_kind"]) for r in amp_patch.history()] == [(2, True, "grads")]
+
+
+def test_an_update_rolled_back_by_zero_grad_leaves_the_history():
+    """A block's exit updated the scaler, then zero_grad() dropped the step (no step() ran): the update is rolled
+    back, and so is its record; the next update records that step number once."""
+    net, opt = _session(growth_interval=1)
+    state = amp_patch.state_dict()
+    state["loss_scaler0"]["loss_scale"] = 256.0
+    amp_patch.load_state_dict(state)
+    _step(net, opt)
+    _step(net, opt, step=False)
+    opt.zero_grad()
+    assert [(r["step"], r["scale_after"]) for r in amp_patch.history()] == [(0, 512.0)]
+    _step(net, opt)
+    assert [(r["step"], r["scale_before"], r["scale_after"]) for r in amp_patch.history()] == [
+        (0, 256.0, 512.0), (1, 512.0, 1024.0)]
+
+
+def test_each_loss_counts_its_own_steps():
+    net, opt = _session(num_losses=2)
+    for _ in range(2):
+        _step(net, opt, loss_id=0, step=False)
+        _step(net, opt, loss_id=1)
+    assert [(r["loss_id"], r["step"]) for r in amp_patch.history()] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+
 def test_collapsing_scale_is_warned_once(caplog):
     net = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)

@@ -158,14 +158,15 @@ def bad_grads(models, masters):
     return rows
 
 
-def skip_cause(loss, overflow, warming_up, scale, grads):
+def skip_cause(losses, overflow, warming_up, scale, grads):
     """Why a step was skipped: ``(kind, text)``, kind one of loss, forward, warmup, grads (first that applies).
+    ``losses``: the losses whose grads the step would have taken (a delayed exit's too).
 
     A non-finite loss is ``forward`` when the diagnoser found the module whose output went bad first and the
     model's inputs were finite, else ``loss`` (inf/NaN in the data says so). ``grads`` is a callable returning
     :func:`bad_grads` rows (only called when nothing earlier explains it).
     """
-    bad_loss = loss is not None and not bool(torch.isfinite(loss.detach()).all())
+    bad_loss = any(not bool(torch.isfinite(loss.detach()).all()) for loss in losses)
     origin = overflow and overflow.get("first_bad_module")
     bad_input = bool(overflow and overflow.get("input_nonfinite"))
     if bad_loss and (bad_input or not origin):

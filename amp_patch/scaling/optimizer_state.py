@@ -72,6 +72,8 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
         self._init_next_step()  # next_step (READY / DOOMED), doomed_by, last_skipped
         self.pending = None  # the Scaled data while the grads are SCALED (see the grads property)
         self.set_aside = []  # (param, unscaled grad) until the unscaling exit (before_backward)
+        self.delayed_losses = []  # the losses of exits that left their grads scaled since the last unscale (a
+        # skip's cause says "loss" when one is non-finite: session/step_outcome.finish_step)
         self.kept_model_grads = []  # Apex's API: (half model param, grad) an exit left in place (after_backward)
         self.undo_updates = {}  # scaler -> memento before this step's updates (None: an overflow, kept)
         self.engine = None  # the session's casting engine (O1): paused during step()
@@ -194,6 +196,8 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
         self.pending, self.foreign = None, None
         self.next_step, self.doomed_by = READY, None  # whatever doomed the step went with the grads
         self.set_aside, self.own_exit = [], None
+        if self.delayed_losses:
+            self.delayed_losses = []
 
     def _adopt_backward_outside(self):
         """Two-copy masters: half model grads a plain ``loss.backward()`` left go into the master grads as a
@@ -329,6 +333,8 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
             self.last_skipped = incomplete is None
             self._drop_grads()
         self.snapshot = None
+        if self.delayed_losses:
+            self.delayed_losses = []
         if self.masters is not None:
             self.masters.after_step(self.last_skipped)
         if incomplete is not None:

@@ -301,6 +301,8 @@ def _end(session, scaler, loss_id, states, delay_unscale, loss, delay_overflow_c
         found_inf = False
         for state in states:
             found_inf |= state.after_backward(scaler, delay_unscale, keep_model_grads=apex_rules(session))
+            if delay_unscale:
+                state.delayed_losses.append(loss.detach())
         if not delay_unscale:
             found_inf = dist.agree_overflow(found_inf)
             if delay_overflow_check and apex_rules(session):  # the script's update_scale() decides (Apex)

@@ -50,6 +50,7 @@ def _unscaled_apex(session, scaler):
 
 
 def finish_step(session, scaler, loss_id, states, found_inf, loss=None):
+    losses = _losses(states, loss)
     if _unscaled_apex(session, scaler):
         if found_inf:
             _mark_skipped(states, scaler)
@@ -73,9 +74,20 @@ def finish_step(session, scaler, loss_id, states, found_inf, loss=None):
     if observe.history is not None:
         cause = (None, None)
         if skip:
-            cause = skip_cause(loss, overflow, warming_up, before,
+            cause = skip_cause(losses, overflow, warming_up, before,
                                lambda: bad_grads(session.models, session.scaling.masters()))
         observe.history.add(loss_id, before, scaler.scale, skip, overflow, scaler, cause)
+
+
+def _losses(states, loss):
+    """The losses whose grads this exit unscales: its own and those of the exits that delayed before it (taken from
+    the optimizers' states, which forget them here)."""
+    losses = [loss] if loss is not None else []
+    for state in states:
+        if state.delayed_losses:
+            losses += state.delayed_losses
+            state.delayed_losses = []
+    return losses
 
 
 def finish_delayed(session, state, scaler, found_inf):

@@ -212,7 +212,7 @@ def test_skips_from_a_forward_overflow_name_the_module_in_history_and_bad_data_i
 def test_forward_overflow_is_named_before_warm_up_and_grads():
     origin = {"module": "blocks.1.attn", "op": "torch.bmm", "category": "half"}
     overflow = {"first_bad_module": origin, "params": [{"param": "w"}]}
-    kind, text = skip_cause(torch.tensor(1.0), overflow, True, 65536.0, lambda: [])
+    kind, text = skip_cause([torch.tensor(1.0)], overflow, True, 65536.0, lambda: [])
     assert kind == "forward" and "blocks.1.attn" in text and "torch.bmm" in text
 
 

@@ -130,28 +130,31 @@ def test_history_records_steps_in_a_bounded_ring():
 
 
 @pytest.mark.parametrize("closure", [False, True])
-def test_history_records_a_step_whose_delayed_grads_the_step_itself_unscaled(closure):
+@pytest.mark.parametrize("bad", ["grads", "loss"])
+def test_history_records_a_step_whose_delayed_grads_the_step_itself_unscaled(closure, bad):
     """A step whose only block delayed unscaling (the step unscales and checks the grads) is in the history as any
     other, skipped with its cause when its grads overflowed, and counts once."""
     net = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     net, opt = amp_patch.initialize(net, opt, max_loss_scale=2.0 ** 10, verbosity=0)
 
-    def backward(x):
-        with amp_patch.scale_loss(net(torch.full((1, 2), x)).float().sum(), opt, delay_unscale=True) as scaled:
+    def backward(broken):
+        x = torch.full((1, 2), 1e30 if broken and bad == "loss" else 0.5)  # (1e30: inf in half, an inf loss)
+        loss = _nan_grads_loss(net, x) if broken and bad == "grads" else net(x).float().sum()
+        with amp_patch.scale_loss(loss, opt, delay_unscale=True) as scaled:
             scaled.backward()
 
-    for x in (0.5, 1e30, 0.5):
+    for broken in (False, True, False):
         opt.zero_grad()
         if closure:
-            opt.step(lambda x=x: backward(x))
+            opt.step(lambda broken=broken: backward(broken))
         else:
-            backward(x)
+            backward(broken)
             opt.step()
     records = amp_patch.history()
     assert [(r["step"], r["skipped"], r["scale_before"], r["scale_after"]) for r in records] == [
         (0, False, 1024.0, 1024.0), (1, True, 1024.0, 512.0), (2, False, 512.0, 512.0)]
-    assert records[1]["cause_kind"] == "grads"
+    assert records[1]["cause_kind"] == bad
 
 
 def _nan_grads_loss(net, x):
@@ -221,6 +224,21 @@ def test_each_loss_counts_its_own_steps():
         _step(net, opt, loss_id=0, step=False)
         _step(net, opt, loss_id=1)
     assert [(r["loss_id"], r["step"]) for r in amp_patch.history()] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("last_delayed", [False, True])
+def test_an_inf_loss_of_an_earlier_micro_batch_is_the_cause_of_the_skip(last_delayed):
+    """Accumulating with delay_unscale: the micro-batch whose loss was inf is not the one whose exit unscales (or
+    step() unscales); the skip's cause is still the loss."""
+    net, opt = _session()
+    x = torch.full((1, 2), 0.5)
+    for micro, factor in enumerate((float("inf"), 1.0)):
+        with amp_patch.scale_loss(net(x).float().sum() * factor, opt,
+                                  delay_unscale=micro == 0 or last_delayed) as scaled:
+            scaled.backward()
+    opt.step()
+    (record,) = amp_patch.history()
+    assert record["skipped"] and record["cause_kind"] == "loss"
 
 def test_collapsing_scale_is_warned_once(caplog):
     net = torch.nn.Linear(2, 1)

@@ -38,6 +38,7 @@ from .checks import (  # noqa: F401
     check_cast_engine,
     check_incoming_fp32,
     check_no_inner_optimizers,
+    check_no_lazy_params,
     check_no_shared_params,
     check_step_hooks,
     engine_for,
@@ -85,6 +86,7 @@ def open_session(call, api):
     check_incoming_fp32(model_list, c.allow_incoming_model_not_fp32)
     check_cast_engine(c.cast_engine)
     props = _resolve(c, api, model_list)
+    check_no_lazy_params(props, model_list)
     fsdp_groups, unsharded = distributed.check_fsdp_at_initialize(model_list, props, c.master_weights)
     # every argument is checked before anything is touched: a ConfigError leaves the models as they were
     _check_optimizers_train_models(props, model_list, opt_list)

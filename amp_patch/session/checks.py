@@ -142,6 +142,20 @@ def _check_models(models):
 
 
 
+def check_no_lazy_params(props, models):
+    """O2 and O3 cast or copy the weights that exist at initialize: a lazy module's uninitialized ones cannot be."""
+    if props.cast_model_type is None:
+        return
+    lazy = (torch.nn.parameter.UninitializedParameter, torch.nn.parameter.UninitializedBuffer)
+    for model in models:
+        for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+            if isinstance(tensor, lazy):
+                raise UsageError(f"{name!r} of the {type(model).__name__} is not initialized yet (a lazy module, "
+                                 f"e.g. nn.LazyLinear): opt_level={props.opt_level!r} casts the weights that exist "
+                                 "at initialize. Run one forward pass first (model(example_batch)), then create the "
+                                 "optimizer and call amp_patch.initialize")
+
+
 def uncompiled(models):
     """The models ``torch.compile(model)`` wrapped, in place of their wrappers: amp_patch sets up the model itself
     (its hooks then run inside the compiled region, as for a model compiled after ``initialize``); the caller gets

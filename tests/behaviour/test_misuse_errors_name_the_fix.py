@@ -30,6 +30,11 @@ def _init(level="O1", **kwargs):
     return model, opt
 
 
+def _lazy_init(level):
+    model = torch.nn.Sequential(torch.nn.LazyLinear(4))
+    return amp_patch.initialize(model, _sgd(model), opt_level=level, verbosity=0)
+
+
 def _loss(model):
     x = torch.randn(3, 4)
     return F.mse_loss(model(x).float(), torch.zeros(3, 2))
@@ -116,6 +121,8 @@ def _register_after():
 ROWS = [
     # initialize: what is passed
     ("models_none", lambda: amp_patch.initialize(None, _sgd(_net())), ConfigError, r"pass the model"),
+    ("o2_lazy_module", lambda: _lazy_init("O2"), UsageError, r"Run one forward pass first"),
+    ("o3_lazy_module", lambda: _lazy_init("O3"), UsageError, r"Run one forward pass first"),
     ("opt_level_positional", lambda: amp_patch.initialize(_net(), _sgd(_net()), "O2"), ConfigError,
      r"opt_level='O2'"),
     ("enabled_string_false", lambda: amp_patch.initialize(_net(), enabled="False"), ConfigError, r"True or False"),

@@ -39,7 +39,7 @@ from torch.nn.modules import module as _module_mod
 from .._torch import quiet_hooks
 from .._torch.compat import tracing
 from .._torch.hooks import FAST_PATH_TYPES, running
-from ..config.dtypes import FLOAT_DTYPES
+from ..config.dtypes import FLOAT_DTYPES, HALF_DTYPES
 from ..errors import UsageError
 from . import reentry, thread_params
 from .call_hooks import GlobalHook, Install, Restore, ThreadCall, TracedCall
@@ -50,6 +50,7 @@ from .write_back import renorms, write_back
 DRAIN_S, POLL_S = 60.0, 0.0005
 _compiling = tracing
 _RNN = torch.nn.RNNBase
+_FP32 = torch.float32
 LIVE = []  # the attached ComputeCopies (recompute_copies re-enters their calls)
 _ANY = object()  # uninstall(): whichever module started the call
 log = logging.getLogger("amp_patch")
@@ -62,6 +63,7 @@ class ComputeCopies:
     def __init__(self, model, dtype, keep_types, watch, slots):
         self.model, self.dtype, self.keep_types, self.watch = model, dtype, keep_types, watch
         self.slots = slots
+        self.dtypes = {}  # id(param) -> its dtype when the slots were collected (a param's .data keeps it: O2)
         self.generation = None
         self.call = ThreadCall()
         self.traced = TracedCall()
@@ -130,6 +132,7 @@ class ComputeCopies:
                 if p is not None and p.dtype in FLOAT_DTYPES:
                     slots.append((module, name))
         self.slots[:] = slots
+        self.dtypes = {id(p): p.dtype for p in (dict.get(m._parameters, n) for m, n in slots) if p is not None}
         if not tracing():
             self.members = {id(m) for m in self.model.modules()}
             for module, _ in slots:
@@ -229,7 +232,10 @@ class ComputeCopies:
             p = dict.get(params, name)
             if p is None:
                 continue
-            if p.dtype is dtype or p.dtype not in FLOAT_DTYPES:  # (a slot keeping its own tensor: the weight check
+            p_dtype = p.dtype
+            if p_dtype is not _FP32 and p_dtype in HALF_DTYPES and self.dtypes.get(id(p), p_dtype) not in HALF_DTYPES:
+                self._refuse_master_dtype(module, name, p_dtype)  # (its .data given a half dtype: no fp32 weight left)
+            if p_dtype is dtype or p_dtype not in FLOAT_DTYPES:  # (a slot keeping its own tensor: the weight check
                 kept = True                                        # reads it)
                 continue
             copy = copies.get(id(p))
@@ -252,6 +258,19 @@ class ComputeCopies:
         state.edits = None if kept or called is not self.model else thread_params.EDITS[0]
         if touched:
             thread_params.refresh_flat_weights(touched)
+
+    def _refuse_master_dtype(self, module, name, got):
+        """A param of the model (the fp32 weight the optimizer steps: O2 keeps no other copy) was given a half dtype
+        through ``.data``: it would train in half, silently."""
+        path = next((n for n, m in self.model.named_modules() if m is module), "")
+        where = f"{path}.{name}" if path else name
+        want = self.dtypes[id(dict.get(module._parameters, name))]
+        raise UsageError(
+            f"parameter {where!r} of the {type(self.model).__name__} is {got} but O2 keeps it {want}: it is the "
+            f"weight the optimizer steps (each forward computes on a half copy), and its value (.data) was given "
+            f"a half dtype after amp_patch.initialize(). Give it back {want} (model.{where}.data = "
+            f"value.to({want})); to run a forward on half tensors of your own, pass them to "
+            "torch.func.functional_call")
 
     def _swap_traced(self, state, slots):
         """Under dynamo: the copies go into the shared dicts (the compiled call is one thread's call)."""

@@ -92,3 +92,21 @@ def test_o2_a_param_assigned_another_dtype_inside_the_call_is_refused_at_the_inp
     hook.remove()
     assert model(torch.randn(5, 4)).dtype is torch.float32
 
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_o2_a_weight_given_a_half_value_is_refused_and_half_tensors_of_ones_own_still_run(half):
+    """Under O2 the fp32 params are the weights the optimizer steps (no other copy): one whose ``.data`` was given a
+    half dtype would train in half, silently. It is refused at the next forward, naming the fix; half tensors
+    passed through functional_call (not the model's params) run, and fp64 (no precision lost) runs."""
+    _, model = _models("O2")
+    x = torch.randn(5, 4)
+    state = {k: v.to(half) for k, v in model.state_dict().items()}
+    assert torch.func.functional_call(model, state, (x,)).dtype is torch.float32
+    model[2].weight.data = model[2].weight.data.to(torch.float64)
+    model(x)
+    model[2].weight.data = model[2].weight.data.to(half)
+    with pytest.raises(amp_patch.UsageError, match=rf"'2\.weight' .* {half} .*model\.2\.weight\.data = value\.to"):
+        model(x)
+    model[2].weight.data = model[2].weight.data.float()
+    assert model(x).dtype is torch.float32

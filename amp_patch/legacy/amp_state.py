@@ -20,6 +20,7 @@ from ..errors import NotInitializedError, UsageError
 from ..session import state as _state
 from ..session.accessors import master_params as _master_params
 from ..session.api import deinitialize
+from ..session.step_outcome import record_update
 from .messages import maybe_print as _print
 from .unsupported import attribute_error
 
@@ -128,10 +129,15 @@ class ScalerView:
         return self._update(True) if seen else False
 
     def _update(self, found):
-        skip = self._scaler.update(found)
+        session, scaler = _session("loss_scalers"), self._scaler
+        before = scaler.scale
+        warming_up = found and session.observe.history is not None and session.observe.history.warming_up(
+            scaler.loss_id, scaler)
+        skip = scaler.update(found)
         if skip:
-            for state in _session("loss_scalers").scaling.opt_states.values():
-                state.doom(by=self._scaler)
+            for state in session.scaling.opt_states.values():
+                state.doom(by=scaler)
+        record_update(session, scaler, before, skip, warming_up)
         return bool(found)
 
     def __getattribute__(self, name):

@@ -165,10 +165,14 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
 
     def note_update(self, scaler, memento, found_inf):
         """``scaler`` was updated for this optimizer's coming step; ``memento`` is its state before."""
+        held = self.undo_updates.get(scaler)
         if found_inf:
             self.undo_updates[scaler] = None  # a backoff is news about the scale: kept even if the step never runs
-        else:
-            self.undo_updates.setdefault(scaler, memento)
+            if held is not None:
+                scaler.holders -= 1
+        elif scaler not in self.undo_updates:
+            self.undo_updates[scaler] = memento
+            scaler.holders += 1
 
     def on_zero_grad(self):
         """``optimizer.zero_grad()`` ran: clear the half model grads too and forget any pending scale.
@@ -176,7 +180,8 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
         The half grads become None even for ``set_to_none=False``: they are amp_patch's intermediate (each
         scale_loss exit moves them into the masters' grads, which the optimizer itself zeroes). Scaler updates
         made for a step that never completed (``step()`` raised, or was never called) are rolled back, except
-        backoffs after an overflow."""
+        backoffs after an overflow, and except where another optimizer of the same loss still holds them (its step
+        may come) or completed a step after them (they stand)."""
         ident = threading.get_ident()
         if ident not in self.threads:
             self.claim()
@@ -185,7 +190,9 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
         if self.undo_updates:
             for scaler, memento in self.undo_updates.items():
                 if memento is not None:
-                    scaler.roll_back(memento)
+                    scaler.holders -= 1
+                    if scaler.holders <= 0:
+                        scaler.roll_back(memento)
             self.undo_updates.clear()
         if self.masters is not None:
             for model_p, master in self.masters.pairs:
@@ -319,7 +326,11 @@ class OptimizerState(GradProtocol, ForeignGrads, NextStepStage):
             return
         self.stepping, self.step_frame = 0, None
         self.busy.pop(threading.get_ident(), None)
-        if self.undo_updates:
+        if self.undo_updates:  # (the updates this step took stand, for every optimizer of their losses)
+            for scaler, memento in self.undo_updates.items():
+                scaler.confirmed = scaler.steps
+                if memento is not None:
+                    scaler.holders -= 1
             self.undo_updates.clear()
         if self.engine is not None:
             self.engine.resume_after_step()

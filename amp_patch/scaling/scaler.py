@@ -65,6 +65,8 @@ class LossScaler:
         self._growth_tracker = 0
         self._hysteresis_tracker = self._hysteresis
         self.steps = 0  # update() calls
+        self.confirmed = 0  # the update count when an optimizer step that followed them completed (roll_back)
+        self.holders = 0  # optimizer states holding a memento of this scaler for their coming step
         self.skipped_steps = 0  # overflows; every overflow skips its step
         self.last_overflow = False  # the latest update() saw an overflow
         self.deferred_overflow = None  # Apex's delay_overflow_check exits since the last update_scale(): any inf?
@@ -127,7 +129,10 @@ class LossScaler:
                 self.last_overflow)
 
     def roll_back(self, memento):
-        """Return to the state :meth:`memento` captured."""
+        """Return to the state :meth:`memento` captured, unless an optimizer step completed after the updates since
+        (:attr:`confirmed`: another optimizer of the same loss stepped; they stand)."""
+        if self.confirmed > memento[3]:
+            return
         (self._scale, self._growth_tracker, self._hysteresis_tracker, self.steps, self.skipped_steps,
          self.last_overflow) = memento
 
@@ -138,6 +143,7 @@ class LossScaler:
         if mementos is not None and not found_inf and self not in mementos:
             mementos[self] = (self._scale, self._growth_tracker, self._hysteresis_tracker, self.steps,
                               self.skipped_steps, self.last_overflow)  # (memento)
+            self.holders += 1  # (OptimizerState.note_update's count)
         self.steps += 1
         if not found_inf:
             self.last_overflow = False
@@ -247,8 +253,9 @@ class LossScaler:
         if hyst > hp["hysteresis"]:
             raise ConfigError(f"hysteresis_tracker={hyst} exceeds hysteresis={hp['hysteresis']}.")
         new["hysteresis_tracker"] = hyst
-        new["steps"] = _count("steps", sd.get("steps", self.steps), 0)
-        new["skipped_steps"] = _count("skipped_steps", sd.get("skipped_steps", self.skipped_steps), 0)
+        new["skipped_steps"] = skipped = _count("skipped_steps", sd.get("skipped_steps", self.skipped_steps), 0)
+        # (an Apex checkpoint has no step count: at least its unskipped updates ran, after the skipped ones)
+        new["steps"] = _count("steps", sd.get("steps", max(self.steps, skipped + new["growth_tracker"])), 0)
         return new
 
     def _apply_state(self, new):

@@ -105,3 +105,17 @@ def finish_delayed(session, state, scaler, found_inf):
 def quiet(session):
     """amp_patch's own bookkeeping ops run with casting off in this thread."""
     return session.casting.engine.casts_disabled() if session.casting.engine is not None else contextlib.nullcontext()
+
+
+def record_update(session, scaler, before, skip, warming_up):
+    """The step history's record of an update made outside an unscaling exit (Apex's ``update_scale()`` after
+    ``delay_overflow_check`` exits: the script's own check decided)."""
+    history = session.observe.history
+    if history is None:
+        return
+    cause = (None, None)
+    if skip:
+        with quiet(session):
+            cause = skip_cause((), None, warming_up, before,
+                               lambda: bad_grads(session.models, session.scaling.masters()))
+    history.add(scaler.loss_id, before, scaler.scale, skip, None, scaler, cause)

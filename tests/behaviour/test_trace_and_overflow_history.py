@@ -240,6 +240,59 @@ def test_an_inf_loss_of_an_earlier_micro_batch_is_the_cause_of_the_skip(last_del
     (record,) = amp_patch.history()
     assert record["skipped"] and record["cause_kind"] == "loss"
 
+
+@pytest.mark.parametrize("zero_first", [False, True])
+def test_an_update_stands_when_another_optimizer_of_its_loss_steps(zero_first):
+    """One loss over two optimizers, only the first stepped (a frozen head zeroed every iteration): each update
+    stands, whether the second's zero_grad() comes before or after the first's step (a rolled-back growth with
+    kept back-offs would only ever lower the scale)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    o1 = torch.optim.SGD(model[0].parameters(), lr=0.01)
+    o2 = torch.optim.SGD(model[1].parameters(), lr=0.01)
+    model, (o1, o2) = amp_patch.initialize(model, [o1, o2], growth_interval=1, verbosity=0)
+    state = amp_patch.state_dict()
+    state["loss_scaler0"]["loss_scale"] = 4.0
+    amp_patch.load_state_dict(state)
+    for _ in range(3):
+        with amp_patch.scale_loss(model(torch.full((1, 2), 0.5)).float().sum(), [o1, o2]) as scaled:
+            scaled.backward()
+        if zero_first:
+            o2.zero_grad()
+        o1.step()
+        o1.zero_grad()
+        o2.zero_grad()
+    assert amp_patch.loss_scale() == 32.0
+    assert [(r["step"], r["scale_after"]) for r in amp_patch.history()] == [(0, 8.0), (1, 16.0), (2, 32.0)]
+
+
+def test_an_apex_checkpoints_unskipped_steps_end_the_warm_up():
+    """An Apex checkpoint counts only the updates since its last overflow ('unskipped'): they ran."""
+    net, opt = _session()
+    amp_patch.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 37}})
+    _step(net, opt, _nan_grads_loss)
+    assert [(r["step"], r["cause_kind"]) for r in amp_patch.history()] == [(37, "grads")]
+
+
+def test_apex_update_scale_after_deferred_checks_records_each_update():
+    """The apex alias with delay_overflow_check: the script's update_scale() is the update, recorded with its skip."""
+    from amp_patch.legacy import amp
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    net, opt = amp.initialize(net, opt, opt_level="O1", verbosity=0)
+    scaler = amp._amp_state.loss_scalers[0]
+    for bad in (False, True):
+        loss = net(torch.full((1, 2), 0.5)).float().sum() * (float("nan") if bad else 1e-3)
+        with amp.scale_loss(loss, opt, delay_overflow_check=True) as scaled:
+            scaled.backward()
+        assert scaler.update_scale() is bad
+        opt.step()
+        opt.zero_grad()
+    assert [(r["step"], r["skipped"], r["scale_before"], r["scale_after"]) for r in amp_patch.history()] == [
+        (0, False, 65536.0, 65536.0), (1, True, 65536.0, 32768.0)]
+
 def test_collapsing_scale_is_warned_once(caplog):
     net = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)

@@ -115,11 +115,12 @@ APIS = ("amp_patch", "apex")
 
 
 def resolve(opt_level, *, half_dtype=None, keep_fp32_modules=(), master_rounding=None, api="amp_patch",
-            fsdp2_sharded=False, **overrides):
+            fsdp2_sharded=False, half_params=False, **overrides):
     """Apply Apex's defaults for ``opt_level`` and the user's ``overrides`` (None means 'not given').
 
     The one place the session's policy is decided: ``api`` (whose rules: ``"amp_patch"`` or ``"apex"``) and
-    ``fsdp2_sharded`` (the models are sharded by FSDP2) are facts the caller reads; the weight layout follows."""
+    ``fsdp2_sharded`` (the models are sharded by FSDP2) and ``half_params`` (they hold half params already:
+    ``allow_incoming_model_not_fp32``) are facts the caller reads; the weight layout follows."""
     if api not in APIS:
         raise ValueError(f"api={api!r}; allowed: {', '.join(APIS)}")
     opt_level = check_opt_level(opt_level)
@@ -151,24 +152,25 @@ def resolve(opt_level, *, half_dtype=None, keep_fp32_modules=(), master_rounding
                           "top 16 bits of its fp32 master (float16 has other exponent bits), so the 16-bit "
                           "remainder cannot make it exact. Pass half_dtype=torch.bfloat16, or master_weights=True "
                           "for float16 with fp32 masters")
-    layout = _weight_layout(props, storage, rounding, api, fsdp2_sharded)
+    layout = _weight_layout(props, storage, rounding, api, fsdp2_sharded, half_params)
     return Properties(opt_level=opt_level, half_dtype=half_dtype,
                       cast_model_outputs=overrides.get("cast_model_outputs"),
                       keep_fp32_modules=_check_module_types(keep_fp32_modules), master_storage=storage,
                       master_rounding=rounding, api=api, weight_layout=layout, **props)
 
 
-def _weight_layout(props, storage, rounding, api, fsdp2_sharded):
+def _weight_layout(props, storage, rounding, api, fsdp2_sharded, half_params=False):
     """Who owns the weights. O2 with fp32 masters rounded as torch casts, under amp_patch's own API: the model's
     fp32 params are the masters and the forward uses half compute copies (one owner). Remainder masters, the split
-    rounding and Apex's API (its scripts inspect ``param.dtype`` and ``_amp_stash``) keep half model params plus
-    fp32 masters beside them (two copies). Models sharded by FSDP2 at a half level: its policy casts them."""
+    rounding, Apex's API (its scripts inspect ``param.dtype`` and ``_amp_stash``) and a model that comes in with
+    half params (its params would be half masters) keep half model params plus fp32 masters beside them (two
+    copies). Models sharded by FSDP2 at a half level: its policy casts them."""
     half = props["cast_model_type"] in HALF_DTYPES
     if fsdp2_sharded and half:
         return "fsdp2"
     if not (half and props["master_weights"]):
         return "none"
-    if storage == "fp32" and rounding == "nearest" and api == "amp_patch":
+    if storage == "fp32" and rounding == "nearest" and api == "amp_patch" and not half_params:
         return "one_owner"
     return "two_copy"
 

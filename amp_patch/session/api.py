@@ -10,6 +10,7 @@ import torch
 from .._torch import hooks
 from ..casting.engine import CastingEngine
 from ..casting.interop import modules as module_compat
+from ..config.dtypes import HALF_DTYPES
 from ..config.opt_levels import resolve
 from ..errors import ConfigError
 from ..model import conversion_guard, recompute_copies
@@ -118,7 +119,8 @@ def _resolve(c, api, model_list):
                    keep_batchnorm_fp32=c.keep_batchnorm_fp32, master_weights=c.master_weights,
                    loss_scale=c.loss_scale, cast_model_outputs=c.cast_model_outputs,
                    master_rounding=c.master_rounding, api=api,
-                   fsdp2_sharded=distributed.any_sharded(model_list))
+                   fsdp2_sharded=distributed.any_sharded(model_list),
+                   half_params=any(p.dtype in HALF_DTYPES for m in model_list for p in m.parameters()))
 
 
 def _build(session, model_list, opt_list, scalers, table, allow_banned, log_all_ranks, cast_engine="hybrid"):

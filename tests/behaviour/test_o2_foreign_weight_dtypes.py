@@ -110,3 +110,20 @@ def test_o2_a_weight_given_a_half_value_is_refused_and_half_tensors_of_ones_own_
         model(x)
     model[2].weight.data = model[2].weight.data.float()
     assert model(x).dtype is torch.float32
+
+
+def test_o2_keeps_fp32_masters_for_a_model_that_comes_in_half():
+    """allow_incoming_model_not_fp32 with a bf16 model: its params cannot be O2's fp32 weights, so O2 keeps fp32
+    masters beside them (as the apex alias does); updates too small for bf16 still move the masters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).bfloat16()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0,
+                                      allow_incoming_model_not_fp32=True)
+    masters = list(amp_patch.master_params(opt))
+    assert [p.dtype for p in masters] == [torch.float32] * 4
+    before = [p.detach().clone() for p in masters]
+    with amp_patch.scale_loss(model(torch.randn(3, 4)).float().sum() * 1e-2, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert all(not torch.equal(a, p) for a, p in zip(before, amp_patch.master_params(opt)))

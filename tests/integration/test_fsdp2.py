@@ -98,7 +98,9 @@ def test_diagnose_overflow_history_and_trace_on_fsdp2(ranks):
     assert [o["module"] for o in r0["overflows"]] == [None, None, None]  # rank 0's forward was finite
     assert "0.weight" in r0["overflows"][0]["params"]  # the data's inf reached rank 0's shard of the grads
     assert r1["overflows"][2]["params"] == ["0.weight"] and r0["overflows"][2]["params"] == []  # rank 1's shard
-    assert [kind for _, skipped, kind in r1["history"] if skipped] == ["loss", "forward", "grads"]
+    # steps 2 and 3 both skip for the inf in micro-batch 0's data (its loss is inf): step 3's micro-batch 0 is
+    # accumulated without gradient sync (a delayed exit), and its loss still names the cause
+    assert [kind for _, skipped, kind in r1["history"] if skipped] == ["loss", "loss", "grads"]
     assert "trace() needs O1 casting" in r0["trace"]  # as under plain O2: trace() records O1's casts
 
 

@@ -183,6 +183,10 @@ def skip_cause(losses, overflow, warming_up, scale, grads):
     return "grads", f"non-finite gradients in params {names}" if rows else "non-finite gradients"
 
 
+def _within(step, ranges):
+    return any(first <= step < end for first, end in ranges)
+
+
 _RECORD_KEYS = ("step", "loss_id", "scale_before", "scale_after", "skipped", "overflow", "cause_kind", "cause")
 
 
@@ -196,7 +200,6 @@ class StepHistory:
         self.collapse_steps = collapse_steps
         self._at_floor = collections.Counter()
         self._warned = set()
-        self._last = {}  # loss id -> the step of its latest record
 
     @staticmethod
     def warming_up(loss_id, scaler):
@@ -207,24 +210,23 @@ class StepHistory:
         return scaler.scale > max(1.0, scaler.hyperparameters.get("min_loss_scale") or 0.0)
 
     def add(self, loss_id, before, after, skipped, overflow, scaler, cause=(None, None)):
-        step = scaler.steps - 1  # (the update this records has run)
-        if self._last.get(loss_id, -1) >= step:  # updates of this loss rolled back since its last record
-            self._drop_from(loss_id, step)
-        self._last[loss_id] = step
-        self.records.append((step, loss_id, before, after, skipped, overflow, cause[0], cause[1]))
+        if scaler.undone:  # updates of this loss a zero_grad() rolled back since: their records go
+            self._drop(loss_id, scaler.undone)
+            scaler.undone = []
+        self.records.append((scaler.steps - 1, loss_id, before, after, skipped, overflow, cause[0], cause[1]))
         if scaler._dynamic and loss_id not in self._warned:  # (LossScaler.dynamic, without the property's call)
             self._watch(loss_id, after, scaler)
 
-    def _drop_from(self, loss_id, step):
-        kept = [r for r in self.records if r[1] != loss_id or r[0] < step]
+    def _drop(self, loss_id, undone):
+        kept = [r for r in self.records if r[1] != loss_id or not _within(r[0], undone)]
         self.records.clear()
         self.records.extend(kept)
 
-    def rows(self, steps=None):
-        """The records as dicts (kept as tuples: one is added on every step), oldest first. ``steps``: loss id ->
-        its scaler's update count now; records of updates rolled back since are left out."""
+    def rows(self, undone=None):
+        """The records as dicts (kept as tuples: one is added on every step), oldest first. ``undone``: loss id ->
+        its scaler's ``undone`` ranges: the records of updates rolled back since the last record are left out."""
         return [dict(zip(_RECORD_KEYS, record)) for record in self.records
-                if steps is None or record[0] < steps.get(record[1], record[0] + 1)]
+                if not (undone and _within(record[0], undone.get(record[1], ())))]
 
     def _watch(self, loss_id, scale, scaler):
         floor = scaler.hyperparameters.get("min_loss_scale")

@@ -67,6 +67,7 @@ class LossScaler:
         self.steps = 0  # update() calls
         self.confirmed = 0  # the update count when an optimizer step that followed them completed (roll_back)
         self.holders = 0  # optimizer states holding a memento of this scaler for their coming step
+        self.undone = []  # (first, end) update counts a roll_back undid, until the step history drops their records
         self.skipped_steps = 0  # overflows; every overflow skips its step
         self.last_overflow = False  # the latest update() saw an overflow
         self.deferred_overflow = None  # Apex's delay_overflow_check exits since the last update_scale(): any inf?
@@ -133,6 +134,7 @@ class LossScaler:
         (:attr:`confirmed`: another optimizer of the same loss stepped; they stand)."""
         if self.confirmed > memento[3]:
             return
+        self.undone.append((memento[3], self.steps))
         (self._scale, self._growth_tracker, self._hysteresis_tracker, self.steps, self.skipped_steps,
          self.last_overflow) = memento
 
@@ -266,6 +268,8 @@ class LossScaler:
                            "max_loss_scale]; using %r", self.loss_id, scale, self._clamp(scale))
             scale = self._clamp(scale)
         self._scale = scale
+        self.confirmed = 0  # (the loaded counts start afresh: nothing after them was confirmed or undone)
+        self.undone = []
         self._growth_tracker = new["growth_tracker"]
         self._hysteresis_tracker = new["hysteresis_tracker"]
         self.steps = new["steps"]

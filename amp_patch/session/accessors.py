@@ -57,4 +57,4 @@ def history():
     session = _state.current_session("history")
     if session.observe.history is None:
         return []
-    return session.observe.history.rows({i: scaler.steps for i, scaler in enumerate(session.scaling.scalers)})
+    return session.observe.history.rows({i: scaler.undone for i, scaler in enumerate(session.scaling.scalers)})

@@ -218,6 +218,17 @@ def test_an_update_rolled_back_by_zero_grad_leaves_the_history():
         (0, 256.0, 512.0), (1, 512.0, 1024.0)]
 
 
+
+def test_loading_an_earlier_scaler_state_keeps_the_records_of_steps_that_ran():
+    net, opt = _session()
+    saved = amp_patch.state_dict()
+    for _ in range(3):
+        _step(net, opt)
+    amp_patch.load_state_dict(saved)
+    assert [r["step"] for r in amp_patch.history()] == [0, 1, 2]
+    _step(net, opt)
+    assert [r["step"] for r in amp_patch.history()] == [0, 1, 2, 0]
+
 def test_each_loss_counts_its_own_steps():
     net, opt = _session(num_losses=2)
     for _ in range(2):

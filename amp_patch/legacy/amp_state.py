@@ -20,7 +20,7 @@ from ..errors import NotInitializedError, UsageError
 from ..session import state as _state
 from ..session.accessors import master_params as _master_params
 from ..session.api import deinitialize
-from ..session.step_outcome import record_update
+from ..session.step_outcome import record_update, warming_up
 from .messages import maybe_print as _print
 from .unsupported import attribute_error
 
@@ -130,14 +130,12 @@ class ScalerView:
 
     def _update(self, found):
         session, scaler = _session("loss_scalers"), self._scaler
-        before = scaler.scale
-        warming_up = found and session.observe.history is not None and session.observe.history.warming_up(
-            scaler.loss_id, scaler)
+        before, warming = scaler.scale, warming_up(session, scaler, found)
         skip = scaler.update(found)
         if skip:
             for state in session.scaling.opt_states.values():
                 state.doom(by=scaler)
-        record_update(session, scaler, before, skip, warming_up)
+        record_update(session, scaler, scaler.loss_id, before, skip, warming)
         return bool(found)
 
     def __getattribute__(self, name):

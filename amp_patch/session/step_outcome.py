@@ -59,7 +59,7 @@ def finish_step(session, scaler, loss_id, states, found_inf, loss=None):
         return
     before, memento = scaler.scale, scaler.memento()
     observe = session.observe
-    warming_up = found_inf and observe.history is not None and observe.history.warming_up(loss_id, scaler)
+    warming = warming_up(session, scaler, found_inf)
     skip = scaler.update(found_inf)
     for state in states:
         state.note_update(scaler, memento, found_inf)
@@ -71,12 +71,7 @@ def finish_step(session, scaler, loss_id, states, found_inf, loss=None):
             overflow = observe.last_overflow = observe.diagnoser.record(loss_id, before, session.scaling.masters())
         else:
             observe.diagnoser.reset()
-    if observe.history is not None:
-        cause = (None, None)
-        if skip:
-            cause = skip_cause(losses, overflow, warming_up, before,
-                               lambda: bad_grads(session.models, session.scaling.masters()))
-        observe.history.add(loss_id, before, scaler.scale, skip, overflow, scaler, cause)
+    record_update(session, scaler, loss_id, before, skip, warming, losses, overflow)
 
 
 def _losses(states, loss):
@@ -107,15 +102,22 @@ def quiet(session):
     return session.casting.engine.casts_disabled() if session.casting.engine is not None else contextlib.nullcontext()
 
 
-def record_update(session, scaler, before, skip, warming_up):
-    """The step history's record of an update made outside an unscaling exit (Apex's ``update_scale()`` after
-    ``delay_overflow_check`` exits: the script's own check decided)."""
+def warming_up(session, scaler, found_inf):
+    """Before ``scaler``'s update for an overflow: whether its skip is the dynamic scaler's warm-up (the history's
+    rule; False without a history or an overflow)."""
+    history = session.observe.history
+    return bool(found_inf) and history is not None and history.warming_up(scaler.loss_id, scaler)
+
+
+def record_update(session, scaler, loss_id, before, skip, warming, losses=(), overflow=None):
+    """The step history's record of one update of ``scaler`` (an unscaling exit's, or Apex's ``update_scale()``
+    after ``delay_overflow_check`` exits, where the script's own check decided), with a skip's cause."""
     history = session.observe.history
     if history is None:
         return
     cause = (None, None)
     if skip:
-        with quiet(session):
-            cause = skip_cause((), None, warming_up, before,
+        with quiet(session):  # (naming the params with inf/NaN grads runs ops)
+            cause = skip_cause(losses, overflow, warming, before,
                                lambda: bad_grads(session.models, session.scaling.masters()))
-    history.add(scaler.loss_id, before, scaler.scale, skip, None, scaler, cause)
+    history.add(loss_id, before, scaler.scale, skip, overflow, scaler, cause)
